@@ -1,0 +1,9 @@
+"""flashgemm: masked grouped GEMMs for Mixture-of-Experts serving (CuTe DSL, Hopper)."""
+
+__version__ = "0.1.0"
+
+from .config import GemmConfig, choose_config  # noqa: E402
+from .launcher import grouped_gemm_nt_masked  # noqa: E402
+from . import reference  # noqa: E402
+
+__all__ = ["GemmConfig", "choose_config", "grouped_gemm_nt_masked", "reference", "__version__"]

@@ -1,0 +1,153 @@
+"""JIT compilation and the in-process compile cache.
+
+Kernels are compiled from fake tensors whose extents (E, max_m, N, K) and
+strides are symbolic, so one compiled object serves every shape: only the
+dtypes, the configuration and the target arch change the generated code, and
+those (with the package and DSL versions) form the cache key. masked_m is
+data, so a new token distribution never recompiles.
+
+Compiled objects take torch tensors directly through TVM-FFI and launch on
+torch's current stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import threading
+from typing import Callable, Dict, Optional, Tuple
+
+from .config import GemmConfig
+
+_TORCH_TO_NAME = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+# Every compile the process made, by key (tests count them).
+_cache: Dict[tuple, Callable] = {}
+_lock = threading.Lock()
+compile_count = 0
+
+
+@functools.lru_cache(maxsize=None)
+def default_arch() -> str:
+    """The target: $CUTE_DSL_ARCH if set, else the visible GPU, else sm_90a."""
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch:
+        return arch
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm_{major}{minor}a"
+    except Exception:  # pragma: no cover - torch without CUDA runtime
+        pass
+    return "sm_90a"
+
+
+def ensure_arch_env(arch: Optional[str] = None) -> str:
+    """Set CUTE_DSL_ARCH before cutlass is imported (needed without a GPU)."""
+    arch = arch or default_arch()
+    os.environ.setdefault("CUTE_DSL_ARCH", arch)
+    if os.environ["CUTE_DSL_ARCH"] != arch:
+        raise RuntimeError(
+            f"CUTE_DSL_ARCH is {os.environ['CUTE_DSL_ARCH']!r} in this process; "
+            f"cannot compile for {arch!r} too"
+        )
+    return arch
+
+
+@functools.lru_cache(maxsize=None)
+def _versions() -> tuple[str, str]:
+    # importlib.metadata scans site-packages (~0.1 ms): once per process, not per call
+    import importlib.metadata as md
+
+    from . import __version__
+
+    try:
+        dsl_version = md.version("nvidia-cutlass-dsl")
+    except md.PackageNotFoundError:  # pragma: no cover
+        dsl_version = "unknown"
+    return __version__, dsl_version
+
+
+def cache_key(config: GemmConfig, ab_dtype: str, out_dtype: str, arch: str) -> tuple:
+    return (*_versions(), arch, ab_dtype, out_dtype, config)
+
+
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[name]
+
+
+def _fake_args(ab_dtype, out_dtype):
+    """Fake (E, max_m, K) / (E, N, K) / (E, max_m, N) / (E,) tensors with symbolic
+    extents and 16-byte-aligned symbolic strides (the TMA requirement)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    def ld(dtype):  # a stride in elements that is a multiple of 16 bytes
+        return cute.sym_int64(divisibility=128 // dtype.width)
+
+    e, m, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    fake = cute.runtime.make_fake_tensor
+    a = fake(ab_dtype, (e, m, k), (ld(ab_dtype), ld(ab_dtype), 1), assumed_align=16)
+    b = fake(ab_dtype, (e, n, k), (ld(ab_dtype), ld(ab_dtype), 1), assumed_align=16)
+    d = fake(out_dtype, (e, m, n), (ld(out_dtype), ld(out_dtype), 1), assumed_align=16)
+    masked_m = fake(cutlass.Int32, (e,), (1,), assumed_align=4)
+    return a, b, d, masked_m
+
+
+def build(
+    config: GemmConfig,
+    ab_dtype: str = "bf16",
+    out_dtype: str = "bf16",
+    arch: Optional[str] = None,
+    keep_ptx: bool = False,
+):
+    """Compile one kernel (no caching). Returns the TVM-FFI callable
+    ``fn(a, b, out, masked_m, num_ctas)``; with ``keep_ptx`` its ``__ptx__``
+    holds the generated PTX."""
+    arch = ensure_arch_env(arch)
+    import cutlass
+    import cutlass.cute as cute
+
+    from .kernel import MaskedGroupedGemmSm90
+
+    global compile_count
+    ab_t, out_t = _cutlass_dtype(ab_dtype), _cutlass_dtype(out_dtype)
+    config.validate(ab_t.width // 8, out_t.width // 8)
+    gemm = MaskedGroupedGemmSm90(config, ab_t, out_t)
+    a, b, d, masked_m = _fake_args(ab_t, out_t)
+    options = "--enable-tvm-ffi"
+    if keep_ptx:
+        # the DSL also writes the PTX to a file: keep it out of the caller's cwd
+        options += f" --keep-ptx --dump-dir {tempfile.gettempdir()}"
+    fn = cute.compile(
+        gemm,
+        a,
+        b,
+        d,
+        masked_m,
+        cutlass.Int32(1),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=options,
+    )
+    compile_count += 1
+    return fn
+
+
+def get_kernel(config: GemmConfig, ab_dtype: str = "bf16", out_dtype: str = "bf16", arch: Optional[str] = None):
+    """The cached compiled kernel for this key (compiled on first use, once per process)."""
+    arch = arch or default_arch()
+    key = cache_key(config, ab_dtype, out_dtype, arch)
+    fn = _cache.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _cache.get(key)
+        if fn is None:
+            fn = build(config, ab_dtype, out_dtype, arch)
+            _cache[key] = fn
+    return fn

@@ -1,0 +1,163 @@
+"""Kernel configurations and the heuristic that picks one.
+
+A :class:`GemmConfig` holds every choice that changes the generated code apart
+from the dtypes. It is frozen so it can key the compile cache. The smem budget
+and register split live here too, because validation must reject a config the
+hardware cannot run before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+# Hopper: 227 KiB of dynamic shared memory per CTA (sm_90 opt-in limit).
+SM90_SMEM_BYTES = 232448
+# mbarriers and alignment slack kept out of the operand ring.
+_SMEM_RESERVED_BYTES = 1024
+EPI_STAGES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One kernel configuration.
+
+    tile_m: rows of the CTA tile (64 per consumer warpgroup).
+    tile_n: columns of the CTA tile (wgmma N; 64..256, multiple of 64 here).
+    tile_k: K depth of one pipeline stage (64 elements of bf16 = one 128-byte swizzle row).
+    stages: depth of the TMA -> wgmma shared-memory ring; 0 = as many as fit.
+    cluster_m / cluster_n: CTA cluster shape (only 1x1 is implemented so far).
+    consumer_warpgroups: wgmma warpgroups; each owns 64 rows of the tile.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    stages: int = 0
+    cluster_m: int = 1
+    cluster_n: int = 1
+    consumer_warpgroups: int = 2
+
+    # ---- derived facts -------------------------------------------------
+    @property
+    def tile_mnk(self) -> tuple[int, int, int]:
+        return (self.tile_m, self.tile_n, self.tile_k)
+
+    @property
+    def threads(self) -> int:
+        # one producer warpgroup (only its first warp issues TMA) + consumers
+        return 128 * (1 + self.consumer_warpgroups)
+
+    @property
+    def epi_tile(self) -> tuple[int, int]:
+        # Each consumer warpgroup stores its 64 rows; 32 columns keeps the
+        # staging buffer at 4 KiB per warpgroup and stage.
+        return (self.tile_m, 32)
+
+    def stage_bytes(self, elem_bytes: int = 2) -> int:
+        return (self.tile_m + self.tile_n) * self.tile_k * elem_bytes
+
+    def epi_bytes(self, out_elem_bytes: int = 2) -> int:
+        em, en = self.epi_tile
+        return em * en * out_elem_bytes * EPI_STAGES
+
+    def resolved_stages(self, elem_bytes: int = 2, out_elem_bytes: int = 2) -> int:
+        """Stages actually used: the explicit count, or as many as fit."""
+        if self.stages:
+            return self.stages
+        free = SM90_SMEM_BYTES - _SMEM_RESERVED_BYTES - self.epi_bytes(out_elem_bytes)
+        return max(free // self.stage_bytes(elem_bytes), 0)
+
+    def smem_bytes(self, elem_bytes: int = 2, out_elem_bytes: int = 2) -> int:
+        return (
+            _SMEM_RESERVED_BYTES
+            + self.resolved_stages(elem_bytes, out_elem_bytes) * self.stage_bytes(elem_bytes)
+            + self.epi_bytes(out_elem_bytes)
+        )
+
+    def validate(self, elem_bytes: int = 2, out_elem_bytes: int = 2) -> "GemmConfig":
+        """Raise ValueError naming the field if this config cannot be built."""
+        if self.consumer_warpgroups not in (1, 2):
+            raise ValueError(
+                f"config.consumer_warpgroups must be 1 or 2, got {self.consumer_warpgroups}"
+            )
+        if self.tile_m != 64 * self.consumer_warpgroups:
+            raise ValueError(
+                f"config.tile_m must be 64 * consumer_warpgroups "
+                f"({64 * self.consumer_warpgroups}), got {self.tile_m}"
+            )
+        if self.tile_n not in (64, 128, 192, 256):
+            raise ValueError(f"config.tile_n must be one of 64, 128, 192, 256, got {self.tile_n}")
+        if self.tile_k != 64:
+            raise ValueError(f"config.tile_k must be 64 for 16-bit operands, got {self.tile_k}")
+        if (self.cluster_m, self.cluster_n) != (1, 1):
+            raise ValueError(
+                f"config cluster shape ({self.cluster_m}, {self.cluster_n}) is not supported "
+                "yet; only (1, 1)"
+            )
+        # 64 x tile_n fp32 accumulators per warpgroup thread: tile_n/2 registers.
+        if self.tile_n // 2 > 128:
+            raise ValueError(f"config.tile_n={self.tile_n} needs too many accumulator registers")
+        if self.stages < 0:
+            raise ValueError(f"config.stages must be >= 0 (0 = auto), got {self.stages}")
+        n_stages = self.resolved_stages(elem_bytes, out_elem_bytes)
+        if n_stages < 2:
+            raise ValueError(
+                f"config needs at least 2 pipeline stages; {n_stages} fit in shared memory"
+            )
+        if self.smem_bytes(elem_bytes, out_elem_bytes) > SM90_SMEM_BYTES:
+            raise ValueError(
+                f"config uses {self.smem_bytes(elem_bytes, out_elem_bytes)} bytes of shared "
+                f"memory; sm_90 allows {SM90_SMEM_BYTES} (lower config.stages)"
+            )
+        return self
+
+    def short_name(self) -> str:
+        return (
+            f"m{self.tile_m}n{self.tile_n}k{self.tile_k}"
+            f"s{self.resolved_stages()}wg{self.consumer_warpgroups}"
+            f"c{self.cluster_m}x{self.cluster_n}"
+        )
+
+
+# Decode: a few rows per expert, the weights stream once, so the tile is as
+# short in M as wgmma allows (64).
+DECODE_CONFIG = GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1)
+DECODE_WIDE_CONFIG = GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=1)
+# Mid and prefill: two consumer warpgroups sharing each B tile halve its
+# shared-memory traffic per FLOP.
+MID_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2)
+PREFILL_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2)
+
+HEURISTIC_CONFIGS: tuple[GemmConfig, ...] = (
+    DECODE_CONFIG,
+    DECODE_WIDE_CONFIG,
+    MID_CONFIG,
+    PREFILL_CONFIG,
+)
+
+
+def choose_config(
+    expected_m: Optional[int], max_m: int, n: int, k: int, num_sms: int
+) -> GemmConfig:
+    """Pick a configuration from host-side facts only (never reads masked_m).
+
+    Thresholds from the config sweep of scripts/bench.py on H100 (2026-11-22,
+    docs/benchmarks.md): at expected_m 32, m64n128 beat m128n128 by 4%
+    (dsv3-ep8 gate_up 673 vs 699 us) since half of a 128-row tile is padding;
+    at expected_m 64 and 128 (m_e spills into a second 64-row block) m128n128
+    won by 2-40% (qwen3-235b-ep8 gate_up 167 vs 170 us, dsv3-ep32 gate_up 203
+    vs 254 us); at expected_m 1024 m128n256 won by 18% (dsv3-prefill gate_up
+    430 vs 522 us). m64n256 never won: it is kept for explicit use.
+    """
+    m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
+    if m <= 48:
+        return DECODE_CONFIG
+    if m <= 256:
+        return MID_CONFIG
+    return PREFILL_CONFIG
+
+
+def num_m_blocks(rows: int, tile_m: int) -> int:
+    return math.ceil(rows / tile_m) if rows > 0 else 0

@@ -1,0 +1,290 @@
+"""Kernel assembly: the masked grouped GEMM for sm_90a.
+
+out[e, :m_e] = a[e, :m_e] @ b[e].T for every expert e, m_e = clamp(masked_m[e], 0, max_m).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32
+from cutlass.tensor_utils.layout import LayoutEnum
+
+from .config import GemmConfig
+from .epilogue import TileEpilogue
+from .mainloop import consume_tile, produce_tile
+from .scheduler import MaskedTileScheduler
+
+# Register split (setmaxnreg): the producer warpgroup only walks the scheduler
+# and issues TMA; the consumers hold up to 128 fp32 accumulators per thread.
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+
+
+def _batch_last(t: cute.Tensor) -> cute.Tensor:
+    """View a torch-ordered (E, X, Y) tensor as CuTe's (X, Y, E)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 2, 0]))
+
+
+class MaskedGroupedGemmSm90:
+    """Persistent, warp-specialized masked grouped GEMM (NT, bf16/fp16 in, fp32 accumulate).
+
+    Warp roles (one CTA per SM, ``config.threads`` threads):
+
+    * warpgroup 0, warp 0: the **producer**. Walks the masked tile scheduler and
+      issues TMA loads of A (tile_m x tile_k) and B (tile_n x tile_k) into the
+      ``stages``-deep shared-memory ring. Warps 1-3 only give back registers.
+    * warpgroups 1..W: the **consumers**. Each owns 64 rows of the tile,
+      issues wgmma from the ring, then runs the epilogue (``TileEpilogue``) on
+      its accumulators.
+
+    Pipelines: ``PipelineTmaAsync`` (producer -> consumers, one full/empty
+    mbarrier pair per stage) for operands; ``PipelineTmaStore`` (bulk-store
+    groups of the one storing thread) for the output staging buffer. The
+    producer runs ahead into the next tile while the consumers are in the
+    epilogue, so loads overlap stores.
+    """
+
+    def __init__(self, config: GemmConfig, ab_dtype, out_dtype):
+        self.config = config
+        self.ab_dtype = ab_dtype
+        self.out_dtype = out_dtype
+        self.acc_dtype = cutlass.Float32
+        self.tile_mnk = config.tile_mnk
+        self.stages = config.resolved_stages(ab_dtype.width // 8, out_dtype.width // 8)
+        self.epi_stages = 2
+        self.num_consumer_wg = config.consumer_warpgroups
+        self.num_consumer_threads = 128 * self.num_consumer_wg
+        self.threads = config.threads
+
+    def _make_layouts(self):
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (self.num_consumer_wg, 1, 1),
+            tiler_mn=(64, self.tile_mnk[1]),
+        )
+        self.a_smem_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype, self.stages
+        )
+        self.b_smem_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype, self.stages
+        )
+        self.epi_tile = self.config.epi_tile
+        self.d_smem_layout = sm90_utils.make_smem_layout_epi(
+            self.out_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (E, max_m, K), K contiguous
+        mB: cute.Tensor,  # (E, N, K), K contiguous
+        mD: cute.Tensor,  # (E, max_m, N), N contiguous
+        mMaskedM: cute.Tensor,  # (E,) int32
+        num_ctas: Int32,
+        stream,
+    ):
+        self._make_layouts()
+        mA_mkl = _batch_last(mA)
+        mB_nkl = _batch_last(mB)
+        mD_mnl = _batch_last(mD)
+
+        a_smem_one = cute.slice_(self.a_smem_layout, (None, None, 0))
+        b_smem_one = cute.slice_(self.b_smem_layout, (None, None, 0))
+        d_smem_one = cute.slice_(self.d_smem_layout, (None, None, 0))
+        tma_atom_a, mA_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            mA_mkl,
+            a_smem_one,
+            (self.tile_mnk[0], self.tile_mnk[2]),
+        )
+        tma_atom_b, mB_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            mB_nkl,
+            b_smem_one,
+            (self.tile_mnk[1], self.tile_mnk[2]),
+        )
+        tma_atom_d, mD_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+            mD_mnl,
+            d_smem_one,
+            self.epi_tile,
+        )
+
+        @cute.struct
+        class SharedStorage:
+            ab_mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout)], 1024
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout)], 1024
+            ]
+            sD: cute.struct.Align[
+                cute.struct.MemRange[self.out_dtype, cute.cosize(self.d_smem_layout)], 1024
+            ]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(
+            tma_atom_a,
+            mA_tma,
+            tma_atom_b,
+            mB_tma,
+            tma_atom_d,
+            mD_tma,
+            mD_mnl,
+            mMaskedM,
+            self.tiled_mma,
+            self.a_smem_layout,
+            self.b_smem_layout,
+            self.d_smem_layout,
+        ).launch(
+            grid=[num_ctas, 1, 1],
+            block=[self.threads, 1, 1],
+            cluster=[1, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA_mkl: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_nkl: cute.Tensor,
+        tma_atom_d: cute.CopyAtom,
+        mD_tma: cute.Tensor,
+        mD_mnl: cute.Tensor,
+        mMaskedM: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+        d_smem_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_d)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        tma_bytes = cute.size_in_bytes(
+            self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0))
+        ) + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0)))
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # every consumer warp arrives on the empty barrier
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_consumer_wg * 4
+            ),
+            tx_count=tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+
+        sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
+        sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
+        sD = storage.sD.get_tensor(d_smem_layout.outer, swizzle=d_smem_layout.inner)
+
+        # (BM, BK, RestM, RestK, E) / (BN, BK, RestN, RestK, E) / (BM, BN, RestM, RestN, E)
+        gA = cute.local_tile(mA_mkl, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB_nkl, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
+        gD_tma = cute.local_tile(mD_tma, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+        gD_mem = cute.local_tile(mD_mnl, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+        )
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+        )
+
+        num_experts = cute.size(mA_mkl, mode=[2])
+        max_m = cute.size(mA_mkl, mode=[0])
+        n_total = cute.size(mB_nkl, mode=[0])
+        num_n_blocks = (n_total + self.tile_mnk[1] - 1) // self.tile_mnk[1]
+        k_tile_cnt = cute.size(gA, mode=[3])
+
+        # barrier init visible to all threads before anyone waits on them
+        cute.arch.sync_threads()
+
+        if warp_group_idx == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                sched = MaskedTileScheduler.create(
+                    mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], bidx, gdim
+                )
+                work = sched.work()
+                producer_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.stages
+                )
+                while work.is_valid:
+                    tAgA_k = tAgA[(None, work.m_block, None, work.expert)]
+                    tBgB_k = tBgB[(None, work.n_block, None, work.expert)]
+                    producer_state = produce_tile(
+                        ab_pipeline, producer_state, tma_atom_a, tAgA_k, tAsA,
+                        tma_atom_b, tBgB_k, tBsB, k_tile_cnt,
+                    )
+                    sched.advance()
+                    work = sched.work()
+                # keep the CTA alive until the consumers released every slot
+                ab_pipeline.producer_tail(producer_state)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            consumer_tidx = tidx - 128
+            thr_mma = tiled_mma.get_slice(consumer_tidx)
+            tCsA = thr_mma.partition_A(sA)
+            tCsB = thr_mma.partition_B(sB)
+            tCrA = tiled_mma.make_fragment_A(tCsA)
+            tCrB = tiled_mma.make_fragment_B(tCsB)
+            acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_mnk, (None, None, 0)))
+            accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+
+            epi = TileEpilogue(
+                tiled_mma,
+                accumulators,
+                sD,
+                tma_atom_d,
+                gD_tma,
+                gD_mem,
+                (self.tile_mnk[0], self.tile_mnk[1]),
+                self.epi_tile,
+                self.out_dtype,
+                consumer_tidx,
+                warp_idx == 4,
+                pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads),
+                self.num_consumer_threads,
+            )
+
+            sched = MaskedTileScheduler.create(
+                mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], bidx, gdim
+            )
+            work = sched.work()
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            while work.is_valid:
+                read_state, release_state = consume_tile(
+                    ab_pipeline, read_state, release_state, tiled_mma, accumulators,
+                    tCrA, tCrB, k_tile_cnt,
+                )
+                epi.store(work.expert, work.m_block, work.n_block, work.valid_rows, n_total)
+                sched.advance()
+                work = sched.work()
+            epi.tail()

@@ -1,0 +1,199 @@
+"""The public op: validate torch tensors, pick a configuration, launch.
+
+Every check runs on the host before the launch and reads only metadata
+(shapes, strides, pointers, device): masked_m's *contents* are never read on
+the host, so the call stays sync-free and CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import torch
+
+from .config import GemmConfig, choose_config
+
+_AB_DTYPES = (torch.bfloat16,)
+_TMA_ALIGN = 16  # bytes: TMA base address and stride granularity
+_MAX_DIM = 2**31 - 1  # extents are int32 in the kernel
+
+
+def _check_tensor(name: str, t, rank: int, dtypes: Sequence[torch.dtype]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(t.shape)}")
+
+
+def _check_tma_operand(name: str, t: torch.Tensor, inner: str) -> tuple[int, int]:
+    """Inner dim contiguous, outer strides and base 16-byte aligned.
+
+    Returns the tensor's byte span [start, end) for the aliasing checks.
+    (Each torch accessor costs ~0.3 us on the host: read each once.)"""
+    stride = t.stride()
+    shape = t.shape
+    es = t.element_size()
+    if stride[2] != 1:
+        raise ValueError(
+            f"{name} must be contiguous along {inner} (stride 1), got strides {tuple(stride)}"
+        )
+    for dim in (0, 1):
+        if (stride[dim] * es) % _TMA_ALIGN:
+            raise ValueError(
+                f"{name}.stride({dim}) = {stride[dim]} elements is not a multiple of "
+                f"{_TMA_ALIGN} bytes (TMA requirement)"
+            )
+    ptr = t.data_ptr()
+    if ptr % _TMA_ALIGN:
+        raise ValueError(f"{name} base address must be {_TMA_ALIGN}-byte aligned")
+    for dim in (0, 1, 2):
+        if shape[dim] > _MAX_DIM:
+            raise ValueError(f"{name}.shape[{dim}] = {shape[dim]} exceeds {_MAX_DIM}")
+    last = (shape[0] - 1) * stride[0] + (shape[1] - 1) * stride[1] + shape[2] - 1
+    return ptr, ptr + (last + 1) * es
+
+
+def _overlaps(x: tuple[int, int], y: tuple[int, int]) -> bool:
+    return x[0] < y[1] and y[0] < x[1]
+
+
+def validate_args(a, b, out, masked_m) -> tuple[int, int, int, int]:
+    """Shape, dtype, stride and aliasing checks. Returns (E, max_m, N, K)."""
+    _check_tensor("a", a, 3, _AB_DTYPES)
+    _check_tensor("b", b, 3, (a.dtype,))
+    _check_tensor("masked_m", masked_m, 1, (torch.int32,))
+    e_count, max_m, k = a.shape
+    b_e, n, b_k = b.shape
+    if e_count < 1:
+        raise ValueError(f"a must hold at least one expert, got shape {tuple(a.shape)}")
+    if max_m < 1:
+        raise ValueError(f"a.shape[1] (max_m) must be >= 1, got {max_m}")
+    if b_e != e_count:
+        raise ValueError(f"b.shape[0] must equal the expert count E={e_count} of a, got {b_e}")
+    if b_k != k:
+        raise ValueError(f"b.shape[2] must equal K={k} of a, got {b_k}")
+    if k < 8 or k % 8:
+        raise ValueError(f"K (a.shape[2]) must be a positive multiple of 8, got {k}")
+    if n < 8 or n % 8:
+        raise ValueError(f"N (b.shape[1]) must be a positive multiple of 8, got {n}")
+    if masked_m.shape[0] != e_count:
+        raise ValueError(f"masked_m must have E={e_count} entries, got {masked_m.shape[0]}")
+    if out is not None:
+        _check_tensor("out", out, 3, (a.dtype,))
+        if tuple(out.shape) != (e_count, max_m, n):
+            raise ValueError(
+                f"out must have shape (E, max_m, N) = {(e_count, max_m, n)}, got {tuple(out.shape)}"
+            )
+    span_a = _check_tma_operand("a", a, "K")
+    span_b = _check_tma_operand("b", b, "K")
+    if out is not None:
+        span_out = _check_tma_operand("out", out, "N")
+        mm_ptr = masked_m.data_ptr()
+        span_mm = (mm_ptr, mm_ptr + 4 * ((e_count - 1) * masked_m.stride(0) + 1))
+        for other_name, span in (("a", span_a), ("b", span_b), ("masked_m", span_mm)):
+            if _overlaps(span_out, span):
+                raise ValueError(f"out must not overlap {other_name} in memory")
+    return e_count, max_m, n, k
+
+
+def validate_device(
+    tensors: dict, num_sms: Optional[int], capability: tuple[int, int], sm_count: int, name: str = ""
+) -> int:
+    """Device checks from given device facts (pure, so CPU tests can drive it).
+
+    ``tensors`` maps argument names to tensors that must share one CUDA device.
+    Returns the persistent-grid cap.
+    """
+    devices = {}
+    for arg, t in tensors.items():
+        if t is None:
+            continue
+        if t.device.type != "cuda":
+            raise ValueError(f"{arg} must be on a CUDA device, got {t.device}")
+        devices[arg] = t.device
+    first_arg, first = next(iter(devices.items()))
+    for arg, dev in devices.items():
+        if dev != first:
+            raise ValueError(f"{arg} is on {dev} but {first_arg} is on {first}; all must share one device")
+    if tuple(capability) != (9, 0):
+        raise ValueError(
+            f"flashgemm's kernels need an sm_90 (Hopper) GPU; {first} is "
+            f"{name + ' ' if name else ''}sm_{capability[0]}{capability[1]}"
+        )
+    if num_sms is None:
+        return sm_count
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int):
+        raise TypeError(f"num_sms must be an int, got {type(num_sms).__name__}")
+    if not 1 <= num_sms <= sm_count:
+        raise ValueError(f"num_sms must be in [1, {sm_count}] on {first}, got {num_sms}")
+    return num_sms
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[tuple[int, int], int, str]:
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count, props.name
+
+
+@functools.lru_cache(maxsize=64)
+def _validated(config: GemmConfig) -> GemmConfig:
+    # configs are frozen: validate each one once per process
+    return config.validate(2, 2)
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def grouped_gemm_nt_masked(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: Optional[torch.Tensor],
+    masked_m: torch.Tensor,
+    *,
+    expected_m: Optional[int] = None,
+    num_sms: Optional[int] = None,
+    config: Optional[GemmConfig] = None,
+) -> torch.Tensor:
+    """``out[e, :m_e] = a[e, :m_e] @ b[e].T`` for every expert, m_e = clamp(masked_m[e], 0, max_m).
+
+    a: [E, max_m, K] bf16, K contiguous. b: [E, N, K] bf16, K contiguous.
+    out: [E, max_m, N] bf16, N contiguous, or None to allocate (rows >= m_e of a
+    fresh tensor are uninitialized). masked_m: int32 [E] on the same GPU, read
+    only by the kernel. Rows ``out[e, m_e:]`` and all memory outside ``out``
+    are never written. Runs on the current torch stream; no host sync.
+
+    expected_m: mean valid rows per expert (host hint for the configuration).
+    num_sms: cap on the persistent grid, e.g. to leave SMs to a concurrent kernel.
+    config: a :class:`GemmConfig` that overrides the heuristic.
+    """
+    e_count, max_m, n, k = validate_args(a, b, out, masked_m)
+    index = a.device.index if a.device.type == "cuda" else -1
+    if index is not None and index >= 0:
+        capability, sm_count, name = _device_facts(index)
+    else:
+        capability, sm_count, name = (0, 0), 0, ""
+    grid_cap = validate_device(
+        {"a": a, "b": b, "out": out, "masked_m": masked_m}, num_sms, capability, sm_count, name
+    )
+    if expected_m is not None and (isinstance(expected_m, bool) or not isinstance(expected_m, int) or expected_m < 0):
+        raise ValueError(f"expected_m must be a non-negative int or None, got {expected_m!r}")
+    if config is None:
+        config = choose_config(expected_m, max_m, n, k, grid_cap)
+    elif not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(config).__name__}")
+    _validated(config)
+
+    if out is None:
+        out = torch.empty((e_count, max_m, n), dtype=a.dtype, device=a.device)
+    max_tiles = e_count * -(-max_m // config.tile_m) * -(-n // config.tile_n)
+    num_ctas = max(1, min(grid_cap, max_tiles))
+
+    from .compile import get_kernel
+
+    fn = get_kernel(config, _DTYPE_NAMES[a.dtype], _DTYPE_NAMES[out.dtype])
+    fn(a, b, out, masked_m, num_ctas)
+    return out

@@ -1,0 +1,89 @@
+"""Warp-specialized mainloop: a TMA producer warp and wgmma consumer warpgroups.
+
+The two sides meet in a ring of ``stages`` shared-memory buffers, each guarded
+by a full/empty mbarrier pair (``cutlass.pipeline.PipelineTmaAsync``):
+
+* producer (one thread of warp 0): for every k-tile of a tile, wait until the
+  slot is empty, arm the full barrier with the slot's byte count, and issue the
+  A and B bulk tensor copies into it;
+* consumers (128 threads each): wait until the slot is full, issue the wgmma
+  chain over the slot's k-blocks, and release the *previous* slot once the
+  wgmma group that read it has retired (one wgmma group stays in flight, so
+  the tensor cores never wait for the release round trip).
+
+Rows past ``max_m`` and columns past K are zero-filled by the TMA unit, so a
+partial m/k tile needs no special case here; rows between ``m_e`` and the end
+of the tile are real (unused) rows of the same expert and never reach the
+output (see ``epilogue``).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32
+
+
+@cute.jit
+def produce_tile(
+    ab_pipeline: pipeline.PipelineTmaAsync,
+    producer_state: pipeline.PipelineState,
+    tma_atom_a: cute.CopyAtom,
+    tAgA_k: cute.Tensor,  # (TMA, k_tiles) of this tile's m-block and expert
+    tAsA: cute.Tensor,  # (TMA, stages)
+    tma_atom_b: cute.CopyAtom,
+    tBgB_k: cute.Tensor,  # (TMA, k_tiles) of this tile's n-block and expert
+    tBsB: cute.Tensor,  # (TMA, stages)
+    k_tile_cnt: Int32,
+) -> pipeline.PipelineState:
+    """Load every k-tile of one output tile into the ring; returns the advanced state."""
+    for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+        ab_pipeline.producer_acquire(producer_state)
+        bar = ab_pipeline.producer_get_barrier(producer_state)
+        cute.copy(
+            tma_atom_a, tAgA_k[(None, k_tile)], tAsA[(None, producer_state.index)], tma_bar_ptr=bar
+        )
+        cute.copy(
+            tma_atom_b, tBgB_k[(None, k_tile)], tBsB[(None, producer_state.index)], tma_bar_ptr=bar
+        )
+        ab_pipeline.producer_commit(producer_state)
+        producer_state.advance()
+    return producer_state
+
+
+@cute.jit
+def consume_tile(
+    ab_pipeline: pipeline.PipelineTmaAsync,
+    read_state: pipeline.PipelineState,
+    release_state: pipeline.PipelineState,
+    tiled_mma: cute.TiledMma,
+    accumulators: cute.Tensor,
+    tCrA: cute.Tensor,  # (MMA, MMA_M, MMA_K, stages) smem descriptors
+    tCrB: cute.Tensor,  # (MMA, MMA_N, MMA_K, stages)
+    k_tile_cnt: Int32,
+):
+    """Accumulate one output tile over K; returns (read_state, release_state)."""
+    num_k_blocks = cute.size(tCrA, mode=[2])
+    # The caller set ACCUMULATE once; zeroing 64..128 registers per tile is
+    # cheaper than carrying the flag through the dynamic k-loop.
+    accumulators.fill(0.0)
+    cute.nvgpu.warpgroup.fence()
+    for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+        ab_pipeline.consumer_wait(read_state)
+        for k_block in cutlass.range_constexpr(num_k_blocks):
+            coord = (None, None, k_block, read_state.index)
+            cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
+        cute.nvgpu.warpgroup.commit_group()
+        # Keep one wgmma group in flight; the slot read by the group before it
+        # is now free.
+        cute.nvgpu.warpgroup.wait_group(1)
+        if k_tile > 0:
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+        read_state.advance()
+    cute.nvgpu.warpgroup.wait_group(0)
+    if k_tile_cnt > 0:
+        ab_pipeline.consumer_release(release_state)
+        release_state.advance()
+    return read_state, release_state

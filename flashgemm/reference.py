@@ -1,0 +1,45 @@
+"""Torch reference of the op (CPU or GPU), computed in float32 or float64."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def clamp_masked_m(masked_m: torch.Tensor, max_m: int) -> torch.Tensor:
+    """m_e = clamp(masked_m[e], 0, max_m), as the kernel reads it."""
+    return masked_m.to(torch.int64).clamp(0, max_m)
+
+
+def grouped_gemm_nt_masked_ref(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    masked_m: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    *,
+    acc_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """out[e, :m_e] = a[e, :m_e] @ b[e].T in ``acc_dtype``; rows >= m_e are taken
+    from ``out`` when given (the kernel leaves them untouched), else zero.
+
+    Returns a tensor of dtype ``acc_dtype`` (round it to compare with a bf16 result).
+    """
+    e_count, max_m, _ = a.shape
+    n = b.shape[1]
+    if out is not None:
+        ref = out.to(acc_dtype).clone()
+    else:
+        ref = torch.zeros(e_count, max_m, n, dtype=acc_dtype, device=a.device)
+    rows = clamp_masked_m(masked_m, max_m).tolist()  # host sync: reference only
+    for e, m in enumerate(rows):
+        if m:
+            ref[e, :m] = a[e, :m].to(acc_dtype) @ b[e].to(acc_dtype).T
+    return ref
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64."""
+    out64, ref64 = out.double(), ref.double()
+    denom = ref64.norm().item()
+    return (out64 - ref64).norm().item() / (denom if denom > 0 else 1.0)

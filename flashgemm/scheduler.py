@@ -1,0 +1,192 @@
+"""Masked persistent tile scheduler.
+
+Work is the set of output tiles (expert, m_block, n_block) whose m-block holds
+at least one valid row: m_block < ceil(m_e / tile_m) with
+m_e = clamp(masked_m[e], 0, max_m). Tiles are numbered expert-major, then
+n-block, then m-block (m fastest): the m-blocks of one n-block land on
+neighbouring CTAs at the same time and share each weight tile through L2, so
+the weights, the bytes that bound decode, leave DRAM once. Measured on H100
+(qwen3-235b-ep8 shapes, m_e 44..83, tile_m 64): n-fastest order read B twice
+and ran 1.2x slower.
+
+CTA ``c`` of a grid of ``G`` persistent CTAs takes tiles c, c + G, c + 2G, ...
+The scheduler walks the experts forward once (the tile index only grows), so
+the cost is O(E) loads of masked_m per CTA over the whole kernel, never a host
+sync. The producer warp and the consumer warpgroups each run their own copy;
+both read the same masked_m, so they see the same sequence.
+
+``tile_order`` is the pure-Python model of exactly this rule; the tests check
+the kernel's invariants against it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Sequence, Tuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Boolean
+from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
+
+
+def clamp_rows(masked_m_e: int, max_m: int) -> int:
+    return min(max(int(masked_m_e), 0), max_m)
+
+
+def tile_order(
+    masked_m: Sequence[int], max_m: int, n: int, tile_m: int, tile_n: int, num_ctas: int
+) -> List[List[Tuple[int, int, int]]]:
+    """Model of the device scheduler: the (expert, m_block, n_block) list of each CTA."""
+    n_blocks = -(-n // tile_n)
+    flat: List[Tuple[int, int, int]] = []
+    for e, m in enumerate(masked_m):
+        rows = clamp_rows(m, max_m)
+        for nb in range(n_blocks):
+            for mb in range(-(-rows // tile_m)):
+                flat.append((e, mb, nb))
+    return [flat[c::num_ctas] for c in range(num_ctas)]
+
+
+def valid_tiles(
+    masked_m: Iterable[int], max_m: int, n: int, tile_m: int, tile_n: int
+) -> set:
+    """The tiles that must be computed, stated directly from the op's definition."""
+    out = set()
+    for e, m in enumerate(masked_m):
+        rows = clamp_rows(m, max_m)
+        for mb in range(max_m // tile_m + 1):
+            for nb in range(-(-n // tile_n)):
+                if mb * tile_m < rows:
+                    out.add((e, mb, nb))
+    return out
+
+
+class WorkTile:
+    """One tile handed out by :class:`MaskedTileScheduler` (device values)."""
+
+    def __init__(self, expert, m_block, n_block, valid_rows, is_valid):
+        self.expert = expert
+        self.m_block = m_block
+        self.n_block = n_block
+        # rows of this tile that hold data: min(tile_m, m_e - m_block * tile_m)
+        self.valid_rows = valid_rows
+        self.is_valid = is_valid
+
+    def _fields(self):
+        return [self.expert, self.m_block, self.n_block, self.valid_rows, self.is_valid]
+
+    def __extract_mlir_values__(self):
+        return extract_mlir_values(self._fields())
+
+    def __new_from_mlir_values__(self, values):
+        return WorkTile(*new_from_mlir_values(self._fields(), values))
+
+
+class MaskedTileScheduler:
+    """Device-side walker over the valid tiles of the masked layout.
+
+    Loop-carried state (4 Int32): this CTA's next linear tile index, the expert
+    it falls in, the number of tiles of all earlier experts, and the tile count
+    of the current expert. Everything else is loop-invariant.
+    """
+
+    def __init__(
+        self,
+        mMaskedM: cute.Tensor,
+        num_experts: Int32,
+        max_m: Int32,
+        num_n_blocks: Int32,
+        tile_m: int,
+        num_ctas: Int32,
+        linear_idx: Int32,
+        expert: Int32,
+        tiles_before: Int32,
+        expert_tiles: Int32,
+    ):
+        self.mMaskedM = mMaskedM
+        self.num_experts = num_experts
+        self.max_m = max_m
+        self.num_n_blocks = num_n_blocks
+        self.tile_m = tile_m
+        self.num_ctas = num_ctas
+        self.linear_idx = linear_idx
+        self.expert = expert
+        self.tiles_before = tiles_before
+        self.expert_tiles = expert_tiles
+
+    # Only the walking state is carried through loops; the rest are SSA values
+    # defined before the loop.
+    def __extract_mlir_values__(self):
+        return extract_mlir_values(
+            [self.linear_idx, self.expert, self.tiles_before, self.expert_tiles]
+        )
+
+    def __new_from_mlir_values__(self, values):
+        li, ex, tb, et = new_from_mlir_values(
+            [self.linear_idx, self.expert, self.tiles_before, self.expert_tiles], values
+        )
+        return MaskedTileScheduler(
+            self.mMaskedM, self.num_experts, self.max_m, self.num_n_blocks,
+            self.tile_m, self.num_ctas, li, ex, tb, et,
+        )
+
+    @staticmethod
+    def create(
+        mMaskedM: cute.Tensor,
+        num_experts: Int32,
+        max_m: Int32,
+        num_n_blocks: Int32,
+        tile_m: int,
+        cta_idx: Int32,
+        num_ctas: Int32,
+    ) -> "MaskedTileScheduler":
+        sched = MaskedTileScheduler(
+            mMaskedM, num_experts, max_m, num_n_blocks, tile_m, num_ctas,
+            Int32(cta_idx), Int32(0), Int32(0), Int32(0),
+        )
+        sched.expert_tiles = sched._tiles_of(Int32(0))
+        sched._seek()
+        return sched
+
+    def _rows_of(self, e: Int32) -> Int32:
+        # masked_m is data: clamp on the device, and never read past E.
+        in_range = e < self.num_experts
+        e_safe = cutlass.min(e, self.num_experts - 1)
+        m = Int32(self.mMaskedM[e_safe])
+        m = cutlass.max(cutlass.min(m, self.max_m), Int32(0))
+        return cutlass.select_(in_range, m, Int32(0))
+
+    def _tiles_of(self, e: Int32) -> Int32:
+        rows = self._rows_of(e)
+        return ((rows + (self.tile_m - 1)) // self.tile_m) * self.num_n_blocks
+
+    @cute.jit
+    def _seek(self):
+        # Move forward to the expert that holds linear_idx (or past the last).
+        linear_idx = self.linear_idx
+        expert = self.expert
+        tiles_before = self.tiles_before
+        expert_tiles = self.expert_tiles
+        while (expert < self.num_experts) & (linear_idx >= tiles_before + expert_tiles):
+            tiles_before = tiles_before + expert_tiles
+            expert = expert + 1
+            expert_tiles = self._tiles_of(expert)
+        self.expert = expert
+        self.tiles_before = tiles_before
+        self.expert_tiles = expert_tiles
+
+    def work(self) -> WorkTile:
+        local = self.linear_idx - self.tiles_before
+        # expert_tiles = m_blocks * num_n_blocks; at least 1 m-block when valid
+        m_blocks = cutlass.max(self.expert_tiles // self.num_n_blocks, Int32(1))
+        n_block = local // m_blocks
+        m_block = local - n_block * m_blocks
+        rows = self._rows_of(self.expert)
+        valid_rows = cutlass.min(rows - m_block * self.tile_m, Int32(self.tile_m))
+        return WorkTile(
+            self.expert, m_block, n_block, valid_rows, self.expert < self.num_experts
+        )
+
+    def advance(self):
+        self.linear_idx = self.linear_idx + self.num_ctas
+        self._seek()

@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Host time per call of grouped_gemm_nt_masked, and where it goes.
+
+    python scripts/bench_host.py
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import flashgemm  # noqa: E402
+from flashgemm import launcher  # noqa: E402
+from flashgemm.compile import get_kernel  # noqa: E402
+from flashgemm.config import DECODE_CONFIG  # noqa: E402
+
+
+def host_us(fn, reps=2000):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+        if i % 100 == 99:
+            torch.cuda.synchronize()  # keep the launch queue short
+    torch.cuda.synchronize()
+    return statistics.median(ts) * 1e6
+
+
+def main():
+    if not torch.cuda.is_available():
+        sys.exit("bench_host.py needs a CUDA GPU")
+    e, m, n, k = 8, 64, 256, 256  # tiny: the GPU work hides behind the host
+    a = torch.randn(e, m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(e, m, n, device="cuda", dtype=torch.bfloat16)
+    mm = torch.full((e,), 32, device="cuda", dtype=torch.int32)
+    fn = get_kernel(DECODE_CONFIG)
+    rows = {
+        "grouped_gemm_nt_masked (whole call)": lambda: flashgemm.grouped_gemm_nt_masked(
+            a, b, out, mm, config=DECODE_CONFIG
+        ),
+        "  validate_args": lambda: launcher.validate_args(a, b, out, mm),
+        "  get_kernel (cache hit)": lambda: get_kernel(DECODE_CONFIG),
+        "  compiled fn call (TVM-FFI)": lambda: fn(a, b, out, mm, 132),
+        "torch._grouped_mm 3D (peer)": lambda: torch._grouped_mm(a, b.transpose(-2, -1)),
+    }
+    for name, f in rows.items():
+        print(f"{name:40s} {host_us(f):8.1f} us")
+
+
+if __name__ == "__main__":
+    main()

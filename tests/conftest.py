@@ -1,0 +1,25 @@
+import os
+
+import pytest
+import torch
+
+# Compile-only tests target Hopper when no GPU is present; must be set before
+# cutlass is imported anywhere in the session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+
+def _is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+requires_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU")
+
+
+@pytest.fixture
+def seed():
+    # fresh random data every run, but printed so a failure can be replayed
+    s = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(s)
+    print(f"seed={s}")
+    return s

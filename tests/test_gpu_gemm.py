@@ -1,0 +1,122 @@
+"""GPU correctness of the bf16 masked grouped GEMM (skipped without an sm_90 GPU)."""
+
+import pytest
+import torch
+
+import flashgemm
+from flashgemm import compile as fg_compile
+from flashgemm.config import HEURISTIC_CONFIGS, GemmConfig
+from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error
+
+from conftest import requires_hopper
+
+pytestmark = requires_hopper
+
+POISON = -12345.0  # exactly representable in bf16, never produced by the data below
+GUARD = 4096  # elements of poisoned memory on each side of `out`
+
+
+def _random_case(e_count, max_m, n, k, masked):
+    dev = "cuda"
+    a = torch.randn(e_count, max_m, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(e_count, n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+    masked_m = torch.tensor(masked, dtype=torch.int32, device=dev)
+    return a, b, masked_m
+
+
+def _poisoned_out(e_count, max_m, n):
+    """`out` living inside a larger poisoned buffer, so writes outside it show."""
+    numel = e_count * max_m * n
+    buf = torch.full((GUARD + numel + GUARD,), POISON, device="cuda", dtype=torch.bfloat16)
+    out = buf[GUARD : GUARD + numel].view(e_count, max_m, n)
+    return buf, out
+
+
+def _check(a, b, masked_m, out, buf, tol=1e-2):
+    ref = grouped_gemm_nt_masked_ref(a, b, masked_m)
+    e_count, max_m, n = out.shape
+    rows = masked_m.clamp(0, max_m).tolist()
+    torch.cuda.synchronize()
+    assert (buf[:GUARD] == POISON).all(), "write before out"
+    assert (buf[-GUARD:] == POISON).all(), "write after out"
+    for e, m in enumerate(rows):
+        assert (out[e, m:] == POISON).all(), f"expert {e}: rows >= m_e={m} were written"
+        if m:
+            valid = out[e, :m]
+            assert not (valid == POISON).any(), f"expert {e}: some valid rows never written"
+            assert not valid.isnan().any()
+            err = relative_error(valid.float(), ref[e, :m])
+            assert err < tol, f"expert {e} (m_e={m}): relative error {err:.2e}"
+
+
+SHAPES = [
+    # (E, max_m, N, K, masked_m) -- m_e in {0, 1, max_m, > max_m, negative}
+    (4, 256, 256, 512, [0, 1, 256, 1000]),
+    (3, 200, 136, 200, [200, -5, 77]),  # max_m, N, K not multiples of the tile
+    (1, 64, 512, 4096, [64]),  # E = 1
+    (64, 96, 256, 128, "random"),  # E = 64
+    (2, 1, 64, 64, [1, 0]),  # max_m = 1
+    (5, 384, 1032, 1040, [384, 130, 129, 128, 0]),
+]
+
+
+@pytest.mark.parametrize("config", HEURISTIC_CONFIGS, ids=lambda c: c.short_name())
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:4])))
+def test_matches_reference(config, shape, seed):
+    e_count, max_m, n, k, masked = shape
+    if masked == "random":
+        masked = torch.randint(-2, max_m + 3, (e_count,)).tolist()
+    a, b, masked_m = _random_case(e_count, max_m, n, k, masked)
+    buf, out = _poisoned_out(e_count, max_m, n)
+    res = flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=config)
+    assert res is out
+    _check(a, b, masked_m, out, buf)
+
+
+def test_heuristic_and_num_sms(seed):
+    a, b, masked_m = _random_case(8, 512, 384, 256, [0, 1, 37, 128, 129, 511, 512, 600])
+    for num_sms in (1, 7, None):
+        for expected_m in (1, 100, 400, None):
+            buf, out = _poisoned_out(8, 512, 384)
+            flashgemm.grouped_gemm_nt_masked(
+                a, b, out, masked_m, num_sms=num_sms, expected_m=expected_m
+            )
+            _check(a, b, masked_m, out, buf)
+
+
+def test_allocates_out_when_none(seed):
+    a, b, masked_m = _random_case(2, 128, 128, 128, [128, 50])
+    out = flashgemm.grouped_gemm_nt_masked(a, b, None, masked_m)
+    ref = grouped_gemm_nt_masked_ref(a, b, masked_m)
+    assert out.shape == (2, 128, 128) and out.dtype == torch.bfloat16
+    assert relative_error(out[0].float(), ref[0]) < 1e-2
+    assert relative_error(out[1, :50].float(), ref[1, :50]) < 1e-2
+
+
+def test_new_masked_m_and_shapes_do_not_recompile(seed):
+    cfg = GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1)
+    a, b, masked_m = _random_case(6, 192, 256, 256, [5, 0, 192, 64, 65, 1])
+    buf, out = _poisoned_out(6, 192, 256)
+    flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg)
+    before = fg_compile.compile_count
+    for _ in range(3):
+        masked_m.copy_(torch.randint(0, 193, (6,), dtype=torch.int32))
+        buf, out = _poisoned_out(6, 192, 256)
+        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg)
+        _check(a, b, masked_m, out, buf)
+    a2, b2, m2 = _random_case(3, 100, 520, 136, [100, 3, 0])
+    buf, out = _poisoned_out(3, 100, 520)
+    flashgemm.grouped_gemm_nt_masked(a2, b2, out, m2, config=cfg)
+    _check(a2, b2, m2, out, buf)
+    assert fg_compile.compile_count == before
+
+
+def test_strided_operands(seed):
+    """Non-compact but TMA-legal strides (padded rows, experts sliced from a bigger batch)."""
+    big_a = torch.randn(6, 160, 264, device="cuda", dtype=torch.bfloat16)
+    a = big_a[::2, :150, :256]  # stride(0) skips experts, rows padded to 264
+    b = torch.randn(3, 192, 256, device="cuda", dtype=torch.bfloat16)[:, :136] / 16
+    masked_m = torch.tensor([150, 10, 64], dtype=torch.int32, device="cuda")
+    buf, out = _poisoned_out(3, 150, 136)
+    flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m)
+    _check(a, b, masked_m, out, buf)
