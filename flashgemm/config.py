@@ -29,6 +29,8 @@ class GemmConfig:
     stages: depth of the TMA -> wgmma shared-memory ring; 0 = as many as fit.
     cluster_m / cluster_n: CTA cluster shape (only 1x1 is implemented so far).
     consumer_warpgroups: wgmma warpgroups; each owns 64 rows of the tile.
+    l2_hints: TMA loads of the weights (read once) evict-first, of the
+        activations (re-read by every n-block) evict-last.
     """
 
     tile_m: int = 128
@@ -38,6 +40,11 @@ class GemmConfig:
     cluster_m: int = 1
     cluster_n: int = 1
     consumer_warpgroups: int = 2
+    # Off by default: on H100 (2026-11-22 sweep) evict-first weights made
+    # tile_m=64 runs 11-19% slower whenever an expert spans two m-blocks (the
+    # second block's CTA re-reads an evicted weight tile: dsv3-ep32 gate_up
+    # 288 vs 253 us) and gained <1% elsewhere.
+    l2_hints: bool = False
 
     # ---- derived facts -------------------------------------------------
     @property
@@ -117,7 +124,7 @@ class GemmConfig:
         return (
             f"m{self.tile_m}n{self.tile_n}k{self.tile_k}"
             f"s{self.resolved_stages()}wg{self.consumer_warpgroups}"
-            f"c{self.cluster_m}x{self.cluster_n}"
+            f"c{self.cluster_m}x{self.cluster_n}" + ("-l2hint" if self.l2_hints else "")
         )
 
 

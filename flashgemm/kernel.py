@@ -20,6 +20,10 @@ from .scheduler import MaskedTileScheduler
 # Register split (setmaxnreg): the producer warpgroup only walks the scheduler
 # and issues TMA; the consumers hold up to 128 fp32 accumulators per thread.
 PRODUCER_REGS = 40
+# L2 cache-policy descriptors for TMA loads (the createpolicy encodings that
+# CUTLASS's CacheHintSm90 uses).
+L2_EVICT_FIRST = 0x12F0000000000000
+L2_EVICT_LAST = 0x14F0000000000000
 CONSUMER_REGS = 232
 
 
@@ -234,12 +238,17 @@ class MaskedGroupedGemmSm90:
                 producer_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
                 )
+                policy_a = None
+                policy_b = None
+                if cutlass.const_expr(self.config.l2_hints):
+                    policy_a = cutlass.Int64(L2_EVICT_LAST)
+                    policy_b = cutlass.Int64(L2_EVICT_FIRST)
                 while work.is_valid:
                     tAgA_k = tAgA[(None, work.m_block, None, work.expert)]
                     tBgB_k = tBgB[(None, work.n_block, None, work.expert)]
                     producer_state = produce_tile(
                         ab_pipeline, producer_state, tma_atom_a, tAgA_k, tAsA,
-                        tma_atom_b, tBgB_k, tBsB, k_tile_cnt,
+                        tma_atom_b, tBgB_k, tBsB, k_tile_cnt, policy_a, policy_b,
                     )
                     sched.advance()
                     work = sched.work()

@@ -36,16 +36,20 @@ def produce_tile(
     tBgB_k: cute.Tensor,  # (TMA, k_tiles) of this tile's n-block and expert
     tBsB: cute.Tensor,  # (TMA, stages)
     k_tile_cnt: Int32,
+    policy_a,  # Int64 L2 cache policy or None
+    policy_b,
 ) -> pipeline.PipelineState:
     """Load every k-tile of one output tile into the ring; returns the advanced state."""
     for k_tile in cutlass.range(k_tile_cnt, unroll=1):
         ab_pipeline.producer_acquire(producer_state)
         bar = ab_pipeline.producer_get_barrier(producer_state)
         cute.copy(
-            tma_atom_a, tAgA_k[(None, k_tile)], tAsA[(None, producer_state.index)], tma_bar_ptr=bar
+            tma_atom_a, tAgA_k[(None, k_tile)], tAsA[(None, producer_state.index)],
+            tma_bar_ptr=bar, cache_policy=policy_a,
         )
         cute.copy(
-            tma_atom_b, tBgB_k[(None, k_tile)], tBsB[(None, producer_state.index)], tma_bar_ptr=bar
+            tma_atom_b, tBgB_k[(None, k_tile)], tBsB[(None, producer_state.index)],
+            tma_bar_ptr=bar, cache_policy=policy_b,
         )
         ab_pipeline.producer_commit(producer_state)
         producer_state.advance()

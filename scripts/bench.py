@@ -103,12 +103,20 @@ def run_case(case, seed, reps, host=False, sweep=False):
     results["flashgemm"] = time_fn(ours, reps=reps)
     ours_host_us = host_us(ours) if host else None
 
+    sweep_err = {}
     if sweep:
-        from flashgemm.config import HEURISTIC_CONFIGS
+        from flashgemm.config import HEURISTIC_CONFIGS, GemmConfig
 
-        for cfg in HEURISTIC_CONFIGS:
+        variants = list(HEURISTIC_CONFIGS) + [
+            GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2),
+            GemmConfig(tile_m=64, tile_n=192, consumer_warpgroups=1),
+        ]
+        for cfg in variants:
             results[f"cfg:{cfg.short_name()}"] = time_fn(
                 lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg), reps=reps
+            )
+            sweep_err[cfg.short_name()] = max(
+                relative_error(out[e, : rows[e]].float(), ref[e, : rows[e]]) for e in range(e_count) if rows[e]
             )
 
     bt = b.transpose(-2, -1)  # (E, K, N) view, K-major columns, as _grouped_mm wants
@@ -125,6 +133,7 @@ def run_case(case, seed, reps, host=False, sweep=False):
         "valid_rows": total_rows,
         "max_rel_err": max(errs),
         "host_us": ours_host_us,
+        "sweep_max_rel_err": sweep_err,
         "flops": flops,
         "eff_bytes": eff_bytes,
         "ms": results,

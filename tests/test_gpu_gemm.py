@@ -60,7 +60,14 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("config", HEURISTIC_CONFIGS, ids=lambda c: c.short_name())
+CONFIGS = HEURISTIC_CONFIGS + (
+    GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2),
+    GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=3),
+    GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, l2_hints=True),
+)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.short_name())
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:4])))
 def test_matches_reference(config, shape, seed):
     e_count, max_m, n, k, masked = shape
