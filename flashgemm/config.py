@@ -151,15 +151,14 @@ def choose_config(
     """Pick a configuration from host-side facts only (never reads masked_m).
 
     Thresholds from the config sweep of scripts/bench.py on H100 (2026-11-22,
-    docs/benchmarks.md): at expected_m 32, m64n128 beat m128n128 by 4%
-    (dsv3-ep8 gate_up 673 vs 699 us) since half of a 128-row tile is padding;
-    at expected_m 64 and 128 (m_e spills into a second 64-row block) m128n128
-    won by 2-40% (qwen3-235b-ep8 gate_up 167 vs 170 us, dsv3-ep32 gate_up 203
-    vs 254 us); at expected_m 1024 m128n256 won by 18% (dsv3-prefill gate_up
-    430 vs 522 us). m64n256 never won: it is kept for explicit use.
-    """
+    CUDA-graph timings, docs/benchmarks.md): at expected_m 32-64, m64n128
+    beat m128n128 (dsv3-ep8 gate_up 672 vs 699 us, qwen3-30b gate_up 47.0 vs
+    52.1 us; qwen3-235b gate_up 165 vs 163 us, a tie); at expected_m 128
+    m128n128 won (dsv3-ep32 gate_up 202 vs 262 us), since most experts spill
+    into a second 64-row block; at expected_m 1024 m128n256 won (dsv3-prefill
+    gate_up 459 vs 584 us). m64n256 never won: it is kept for explicit use.
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
-    if m <= 48:
+    if m <= 64:
         return DECODE_CONFIG
     if m <= 256:
         return MID_CONFIG
