@@ -9,7 +9,6 @@ hardware cannot run before anything is compiled.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 # Hopper: 227 KiB of dynamic shared memory per CTA (sm_90 opt-in limit).
@@ -157,6 +156,7 @@ def choose_config(
     m128n128 won (dsv3-ep32 gate_up 202 vs 262 us), since most experts spill
     into a second 64-row block; at expected_m 1024 m128n256 won (dsv3-prefill
     gate_up 459 vs 584 us). m64n256 never won: it is kept for explicit use.
+    """
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     if m <= 64:
         return DECODE_CONFIG
@@ -164,6 +164,3 @@ def choose_config(
         return MID_CONFIG
     return PREFILL_CONFIG
 
-
-def num_m_blocks(rows: int, tile_m: int) -> int:
-    return math.ceil(rows / tile_m) if rows > 0 else 0

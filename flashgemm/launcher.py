@@ -82,6 +82,8 @@ def validate_args(a, b, out, masked_m) -> tuple[int, int, int, int]:
         raise ValueError(f"N (b.shape[1]) must be a positive multiple of 8, got {n}")
     if masked_m.shape[0] != e_count:
         raise ValueError(f"masked_m must have E={e_count} entries, got {masked_m.shape[0]}")
+    if masked_m.stride(0) != 1 and e_count > 1:
+        raise ValueError(f"masked_m must be contiguous, got stride {masked_m.stride(0)}")
     if out is not None:
         _check_tensor("out", out, 3, (a.dtype,))
         if tuple(out.shape) != (e_count, max_m, n):
@@ -171,16 +173,19 @@ def grouped_gemm_nt_masked(
     config: a :class:`GemmConfig` that overrides the heuristic.
     """
     e_count, max_m, n, k = validate_args(a, b, out, masked_m)
-    index = a.device.index if a.device.type == "cuda" else -1
-    if index is not None and index >= 0:
+    index = a.device.index if a.device.type == "cuda" else None
+    if index is not None:
         capability, sm_count, name = _device_facts(index)
-    else:
+    else:  # validate_device rejects the non-CUDA tensor
         capability, sm_count, name = (0, 0), 0, ""
     grid_cap = validate_device(
         {"a": a, "b": b, "out": out, "masked_m": masked_m}, num_sms, capability, sm_count, name
     )
-    if expected_m is not None and (isinstance(expected_m, bool) or not isinstance(expected_m, int) or expected_m < 0):
-        raise ValueError(f"expected_m must be a non-negative int or None, got {expected_m!r}")
+    if expected_m is not None:
+        if isinstance(expected_m, bool) or not isinstance(expected_m, int):
+            raise TypeError(f"expected_m must be an int or None, got {type(expected_m).__name__}")
+        if expected_m < 0:
+            raise ValueError(f"expected_m must be >= 0, got {expected_m}")
     if config is None:
         config = choose_config(expected_m, max_m, n, k, grid_cap)
     elif not isinstance(config, GemmConfig):
@@ -195,5 +200,10 @@ def grouped_gemm_nt_masked(
     from .compile import get_kernel
 
     fn = get_kernel(config, _DTYPE_NAMES[a.dtype], _DTYPE_NAMES[out.dtype])
-    fn(a, b, out, masked_m, num_ctas)
+    if index == torch.cuda.current_device():
+        fn(a, b, out, masked_m, num_ctas)
+    else:
+        # launch on the tensors' GPU and its current stream, not the caller's device
+        with torch.cuda.device(index):
+            fn(a, b, out, masked_m, num_ctas)
     return out
