@@ -26,7 +26,9 @@ class GemmConfig:
     tile_n: columns of the CTA tile (wgmma N; 64..256, multiple of 64 here).
     tile_k: K depth of one pipeline stage (64 elements of bf16 = one 128-byte swizzle row).
     stages: depth of the TMA -> wgmma shared-memory ring; 0 = as many as fit.
-    cluster_m / cluster_n: CTA cluster shape (only 1x1 is implemented so far).
+    cluster_m / cluster_n: CTA cluster shape. cluster_n=2 pairs CTAs on
+        adjacent n-blocks of one m-block; each loads half of the A tile and
+        TMA-multicasts it to both, halving A's L2 reads (cluster_m is 1).
     consumer_warpgroups: wgmma warpgroups; each owns 64 rows of the tile.
     l2_hints: TMA loads of the weights (read once) evict-first, of the
         activations (re-read by every n-block) evict-last.
@@ -97,10 +99,10 @@ class GemmConfig:
             raise ValueError(f"config.tile_n must be one of 64, 128, 192, 256, got {self.tile_n}")
         if self.tile_k != 64:
             raise ValueError(f"config.tile_k must be 64 for 16-bit operands, got {self.tile_k}")
-        if (self.cluster_m, self.cluster_n) != (1, 1):
+        if self.cluster_m != 1 or self.cluster_n not in (1, 2):
             raise ValueError(
-                f"config cluster shape ({self.cluster_m}, {self.cluster_n}) is not supported "
-                "yet; only (1, 1)"
+                f"config cluster shape ({self.cluster_m}, {self.cluster_n}) is not supported; "
+                "use cluster_m=1 and cluster_n in (1, 2)"
             )
         # 64 x tile_n fp32 accumulators per warpgroup thread: tile_n/2 registers.
         if self.tile_n // 2 > 128:

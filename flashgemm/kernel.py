@@ -40,6 +40,8 @@ class MaskedGroupedGemmSm90:
     * warpgroup 0, warp 0: the **producer**. Walks the masked tile scheduler and
       issues TMA loads of A (tile_m x tile_k) and B (tile_n x tile_k) into the
       ``stages``-deep shared-memory ring. Warps 1-3 only give back registers.
+      With ``cluster_n=2`` the two CTAs of a cluster work on adjacent n-blocks
+      of one m-block and each multicasts half of the A tile to both.
     * warpgroups 1..W: the **consumers**. Each owns 64 rows of the tile,
       issues wgmma from the ring, then runs the epilogue (``TileEpilogue``) on
       its accumulators.
@@ -62,6 +64,7 @@ class MaskedGroupedGemmSm90:
         self.num_consumer_wg = config.consumer_warpgroups
         self.num_consumer_threads = 128 * self.num_consumer_wg
         self.threads = config.threads
+        self.cluster_n = config.cluster_n
 
     def _make_layouts(self):
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -103,10 +106,13 @@ class MaskedGroupedGemmSm90:
         b_smem_one = cute.slice_(self.b_smem_layout, (None, None, 0))
         d_smem_one = cute.slice_(self.d_smem_layout, (None, None, 0))
         tma_atom_a, mA_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+            if self.cluster_n > 1
+            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             mA_mkl,
             a_smem_one,
             (self.tile_mnk[0], self.tile_mnk[2]),
+            num_multicast=self.cluster_n,
         )
         tma_atom_b, mB_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
@@ -152,7 +158,7 @@ class MaskedGroupedGemmSm90:
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.threads, 1, 1],
-            cluster=[1, 1, 1],
+            cluster=[self.cluster_n, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -178,6 +184,7 @@ class MaskedGroupedGemmSm90:
         gdim, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
@@ -190,17 +197,21 @@ class MaskedGroupedGemmSm90:
         tma_bytes = cute.size_in_bytes(
             self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0))
         ) + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0)))
+        # Every consumer warp arrives on the empty barrier of each CTA whose
+        # producer wrote into the slot: itself, plus the peer that multicast
+        # half of A into it.
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_mbar.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # every consumer warp arrives on the empty barrier
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_consumer_wg * 4
+                pipeline.Agent.Thread, self.cluster_n * self.num_consumer_wg * 4
             ),
             tx_count=tma_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
+            defer_sync=True,
         )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
@@ -212,9 +223,15 @@ class MaskedGroupedGemmSm90:
         gD_tma = cute.local_tile(mD_tma, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
         gD_mem = cute.local_tile(mD_mnl, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
 
+        # each CTA of the cluster loads its 1/cluster_n share of the A tile
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            tma_atom_a,
+            cta_rank,
+            cute.make_layout(self.cluster_n),
+            cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2),
         )
+        a_mcast_mask = cutlass.Int16((1 << self.cluster_n) - 1) if self.cluster_n > 1 else None
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
@@ -225,14 +242,16 @@ class MaskedGroupedGemmSm90:
         num_n_blocks = (n_total + self.tile_mnk[1] - 1) // self.tile_mnk[1]
         k_tile_cnt = cute.size(gA, mode=[3])
 
-        # barrier init visible to all threads before anyone waits on them
-        cute.arch.sync_threads()
+        # barrier init visible to every thread of the cluster before anyone
+        # waits on them or multicasts into a peer
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
 
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 sched = MaskedTileScheduler.create(
-                    mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], bidx, gdim
+                    mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], bidx, gdim,
+                    self.cluster_n, cta_rank,
                 )
                 work = sched.work()
                 producer_state = pipeline.make_pipeline_state(
@@ -248,7 +267,7 @@ class MaskedGroupedGemmSm90:
                     tBgB_k = tBgB[(None, work.n_block, None, work.expert)]
                     producer_state = produce_tile(
                         ab_pipeline, producer_state, tma_atom_a, tAgA_k, tAsA,
-                        tma_atom_b, tBgB_k, tBsB, k_tile_cnt, policy_a, policy_b,
+                        tma_atom_b, tBgB_k, tBsB, k_tile_cnt, policy_a, policy_b, a_mcast_mask,
                     )
                     sched.advance()
                     work = sched.work()
@@ -283,7 +302,8 @@ class MaskedGroupedGemmSm90:
             )
 
             sched = MaskedTileScheduler.create(
-                mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], bidx, gdim
+                mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], bidx, gdim,
+                self.cluster_n, cta_rank,
             )
             work = sched.work()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)

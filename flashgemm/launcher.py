@@ -194,8 +194,13 @@ def grouped_gemm_nt_masked(
 
     if out is None:
         out = torch.empty((e_count, max_m, n), dtype=a.dtype, device=a.device)
-    max_tiles = e_count * -(-max_m // config.tile_m) * -(-n // config.tile_n)
-    num_ctas = max(1, min(grid_cap, max_tiles))
+    # Persistent grid: never more clusters than units of work could use.
+    cn = config.cluster_n
+    if grid_cap < cn:
+        raise ValueError(f"config.cluster_n={cn} needs num_sms >= {cn}, got {grid_cap}")
+    n_groups = -(-(-(-n // config.tile_n)) // cn)
+    max_units = e_count * -(-max_m // config.tile_m) * n_groups
+    num_ctas = cn * max(1, min(grid_cap // cn, max_units))
 
     from .compile import get_kernel
 

@@ -5,10 +5,11 @@ by a full/empty mbarrier pair (``cutlass.pipeline.PipelineTmaAsync``):
 
 * producer (one thread of warp 0): for every k-tile of a tile, wait until the
   slot is empty, arm the full barrier with the slot's byte count, and issue the
-  A and B bulk tensor copies into it;
+  A and B bulk tensor copies into it (in a 2-CTA cluster each producer loads
+  half of the A tile and multicasts it into both CTAs' slots);
 * consumers (128 threads each): wait until the slot is full, issue the wgmma
-  chain over the slot's k-blocks, and release the *previous* slot once the
-  wgmma group that read it has retired (one wgmma group stays in flight, so
+  chain over the slot's k-blocks, and release the *previous* slot (in every
+  CTA that wrote into it) once the wgmma group that read it has retired (one wgmma group stays in flight, so
   the tensor cores never wait for the release round trip).
 
 Rows past ``max_m`` and columns past K are zero-filled by the TMA unit, so a
@@ -38,6 +39,7 @@ def produce_tile(
     k_tile_cnt: Int32,
     policy_a,  # Int64 L2 cache policy or None
     policy_b,
+    a_mcast_mask,  # Int16 mask of the CTAs receiving this CTA's share of A, or None
 ) -> pipeline.PipelineState:
     """Load every k-tile of one output tile into the ring; returns the advanced state."""
     for k_tile in cutlass.range(k_tile_cnt, unroll=1):
@@ -45,7 +47,7 @@ def produce_tile(
         bar = ab_pipeline.producer_get_barrier(producer_state)
         cute.copy(
             tma_atom_a, tAgA_k[(None, k_tile)], tAsA[(None, producer_state.index)],
-            tma_bar_ptr=bar, cache_policy=policy_a,
+            tma_bar_ptr=bar, cache_policy=policy_a, mcast_mask=a_mcast_mask,
         )
         cute.copy(
             tma_atom_b, tBgB_k[(None, k_tile)], tBsB[(None, producer_state.index)],

@@ -9,7 +9,14 @@ the weights, the bytes that bound decode, leave DRAM once. Measured on H100
 (qwen3-235b-ep8 shapes, m_e 44..83, tile_m 64): n-fastest order read B twice
 and ran 1.2x slower.
 
-CTA ``c`` of a grid of ``G`` persistent CTAs takes tiles c, c + G, c + 2G, ...
+With clusters of ``cluster_n`` CTAs along N, the unit of work is an
+(expert, n-group, m-block) and both CTAs of a cluster take the same unit, the
+CTA of rank r computing n-block ``n_group * cluster_n + r``: they share the A
+tile through TMA multicast. A rank whose n-block falls past N (odd n-block
+count) still runs the mainloop, since its peer needs its half of A, but
+stores nothing (the TMA unit and the column predicate clip it).
+
+Cluster (or CTA) ``c`` of ``G`` takes units c, c + G, c + 2G, ...
 The scheduler walks the experts forward once (the tile index only grows), so
 the cost is O(E) loads of masked_m per CTA over the whole kernel, never a host
 sync. The producer warp and the consumer warpgroups each run their own copy;
@@ -34,17 +41,34 @@ def clamp_rows(masked_m_e: int, max_m: int) -> int:
 
 
 def tile_order(
-    masked_m: Sequence[int], max_m: int, n: int, tile_m: int, tile_n: int, num_ctas: int
+    masked_m: Sequence[int],
+    max_m: int,
+    n: int,
+    tile_m: int,
+    tile_n: int,
+    num_ctas: int,
+    cluster_n: int = 1,
 ) -> List[List[Tuple[int, int, int]]]:
-    """Model of the device scheduler: the (expert, m_block, n_block) list of each CTA."""
+    """Model of the device scheduler: the (expert, m_block, n_block) list of each CTA.
+
+    With ``cluster_n`` > 1, ``num_ctas`` must be a multiple of it; tiles whose
+    n-block lies past N (computed, never stored) are left out.
+    """
     n_blocks = -(-n // tile_n)
-    flat: List[Tuple[int, int, int]] = []
+    n_groups = -(-n_blocks // cluster_n)
+    units: List[Tuple[int, int, int]] = []
     for e, m in enumerate(masked_m):
         rows = clamp_rows(m, max_m)
-        for nb in range(n_blocks):
+        for ng in range(n_groups):
             for mb in range(-(-rows // tile_m)):
-                flat.append((e, mb, nb))
-    return [flat[c::num_ctas] for c in range(num_ctas)]
+                units.append((e, mb, ng))
+    num_clusters = num_ctas // cluster_n
+    order = []
+    for c in range(num_ctas):
+        cluster, rank = divmod(c, cluster_n)
+        tiles = [(e, mb, ng * cluster_n + rank) for e, mb, ng in units[cluster::num_clusters]]
+        order.append([t for t in tiles if t[2] < n_blocks])
+    return order
 
 
 def valid_tiles(
@@ -85,9 +109,10 @@ class WorkTile:
 class MaskedTileScheduler:
     """Device-side walker over the valid tiles of the masked layout.
 
-    Loop-carried state (4 Int32): this CTA's next linear tile index, the expert
-    it falls in, the number of tiles of all earlier experts, and the tile count
-    of the current expert. Everything else is loop-invariant.
+    Loop-carried state (4 Int32): this cluster's next linear unit index, the
+    expert it falls in, the number of units of all earlier experts, and the
+    unit count of the current expert. Everything else is loop-invariant;
+    ``num_n_blocks`` and ``num_ctas`` here count n-groups and clusters.
     """
 
     def __init__(
@@ -98,6 +123,8 @@ class MaskedTileScheduler:
         num_n_blocks: Int32,
         tile_m: int,
         num_ctas: Int32,
+        cluster_n: int,
+        cta_rank: Int32,
         linear_idx: Int32,
         expert: Int32,
         tiles_before: Int32,
@@ -109,6 +136,8 @@ class MaskedTileScheduler:
         self.num_n_blocks = num_n_blocks
         self.tile_m = tile_m
         self.num_ctas = num_ctas
+        self.cluster_n = cluster_n
+        self.cta_rank = cta_rank
         self.linear_idx = linear_idx
         self.expert = expert
         self.tiles_before = tiles_before
@@ -127,7 +156,7 @@ class MaskedTileScheduler:
         )
         return MaskedTileScheduler(
             self.mMaskedM, self.num_experts, self.max_m, self.num_n_blocks,
-            self.tile_m, self.num_ctas, li, ex, tb, et,
+            self.tile_m, self.num_ctas, self.cluster_n, self.cta_rank, li, ex, tb, et,
         )
 
     @staticmethod
@@ -137,12 +166,17 @@ class MaskedTileScheduler:
         max_m: Int32,
         num_n_blocks: Int32,
         tile_m: int,
-        cta_idx: Int32,
-        num_ctas: Int32,
+        block_idx: Int32,
+        grid_size: Int32,
+        cluster_n: int = 1,
+        cta_rank: Int32 = 0,
     ) -> "MaskedTileScheduler":
+        """num_n_blocks: n-blocks of the output; block_idx / grid_size: this CTA
+        and the grid (a multiple of cluster_n); cta_rank: rank in the cluster."""
+        num_n_groups = (num_n_blocks + (cluster_n - 1)) // cluster_n
         sched = MaskedTileScheduler(
-            mMaskedM, num_experts, max_m, num_n_blocks, tile_m, num_ctas,
-            Int32(cta_idx), Int32(0), Int32(0), Int32(0),
+            mMaskedM, num_experts, max_m, num_n_groups, tile_m, grid_size // cluster_n,
+            cluster_n, Int32(cta_rank), Int32(block_idx // cluster_n), Int32(0), Int32(0), Int32(0),
         )
         sched.expert_tiles = sched._tiles_of(Int32(0))
         sched._seek()
@@ -177,10 +211,11 @@ class MaskedTileScheduler:
 
     def work(self) -> WorkTile:
         local = self.linear_idx - self.tiles_before
-        # expert_tiles = m_blocks * num_n_blocks; at least 1 m-block when valid
+        # expert_tiles = m_blocks * num_n_groups; at least 1 m-block when valid
         m_blocks = cutlass.max(self.expert_tiles // self.num_n_blocks, Int32(1))
-        n_block = local // m_blocks
-        m_block = local - n_block * m_blocks
+        n_group = local // m_blocks
+        m_block = local - n_group * m_blocks
+        n_block = n_group * self.cluster_n + self.cta_rank
         rows = self._rows_of(self.expert)
         valid_rows = cutlass.min(rows - m_block * self.tile_m, Int32(self.tile_m))
         return WorkTile(

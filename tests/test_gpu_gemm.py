@@ -64,6 +64,10 @@ CONFIGS = HEURISTIC_CONFIGS + (
     GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2),
     GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=3),
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, l2_hints=True),
+    # 2-CTA clusters sharing A by multicast; N=64/520/1032 give odd n-block
+    # counts, where one CTA of a pair computes a tile past N and stores nothing
+    GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n=2),
+    GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, cluster_n=2),
 )
 
 
@@ -127,3 +131,14 @@ def test_strided_operands(seed):
     buf, out = _poisoned_out(3, 150, 136)
     flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m)
     _check(a, b, masked_m, out, buf)
+
+
+def test_cluster_grid_sizes(seed):
+    cfg = GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, cluster_n=2)
+    a, b, masked_m = _random_case(5, 130, 392, 256, [130, 0, 1, 64, 65])
+    with pytest.raises(ValueError, match="num_sms"):
+        flashgemm.grouped_gemm_nt_masked(a, b, None, masked_m, config=cfg, num_sms=1)
+    for num_sms in (2, 3, 5, 131):  # odd caps round down to whole clusters
+        buf, out = _poisoned_out(5, 130, 392)
+        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg, num_sms=num_sms)
+        _check(a, b, masked_m, out, buf)
