@@ -130,19 +130,16 @@ class GemmConfig:
 
 
 # Decode: a few rows per expert, the weights stream once, so the tile is as
-# short in M as wgmma allows (64).
-DECODE_CONFIG = GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1)
-DECODE_WIDE_CONFIG = GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=1)
-# Mid and prefill: two consumer warpgroups sharing each B tile halve its
-# shared-memory traffic per FLOP.
-MID_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2)
-PREFILL_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2)
+# short in M as wgmma allows (64). Mid and prefill: two consumer warpgroups
+# sharing each B tile halve its shared-memory traffic per FLOP. All three pair
+# CTAs along N to multicast A (1-4% faster in every case of the sweep).
+DECODE_CONFIG = GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, cluster_n=2)
+MID_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n=2)
+PREFILL_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, cluster_n=2)
+_REGIME_CONFIGS = (DECODE_CONFIG, MID_CONFIG, PREFILL_CONFIG)
 
-HEURISTIC_CONFIGS: tuple[GemmConfig, ...] = (
-    DECODE_CONFIG,
-    DECODE_WIDE_CONFIG,
-    MID_CONFIG,
-    PREFILL_CONFIG,
+HEURISTIC_CONFIGS: tuple[GemmConfig, ...] = _REGIME_CONFIGS + tuple(
+    dataclasses.replace(c, cluster_n=1) for c in _REGIME_CONFIGS  # for num_sms == 1
 )
 
 
@@ -151,18 +148,22 @@ def choose_config(
 ) -> GemmConfig:
     """Pick a configuration from host-side facts only (never reads masked_m).
 
-    Thresholds from the config sweep of scripts/bench.py on H100 (2026-11-22,
-    CUDA-graph timings, docs/benchmarks.md): at expected_m 32-64, m64n128
-    beat m128n128 (dsv3-ep8 gate_up 672 vs 699 us, qwen3-30b gate_up 47.0 vs
-    52.1 us; qwen3-235b gate_up 165 vs 163 us, a tie); at expected_m 128
-    m128n128 won (dsv3-ep32 gate_up 202 vs 262 us), since most experts spill
-    into a second 64-row block; at expected_m 1024 m128n256 won (dsv3-prefill
-    gate_up 459 vs 584 us). m64n256 never won: it is kept for explicit use.
+    From the config sweeps of scripts/bench.py on H100 (2026-11-22, CUDA-graph
+    timings, docs/benchmarks.md): at expected_m 32-64 a 64-row tile wins
+    (dsv3-ep8 gate_up 664 us vs 691 us for 128 rows, qwen3-30b 44.9 vs 50.8);
+    at expected_m 128, where most experts spill into a second 64-row block,
+    128 rows win (dsv3-ep32 gate_up 195 vs 226 us); at expected_m 1024,
+    tile_n 256 wins (dsv3-prefill gate_up 435 vs 457 us for tile_n 128).
+    tile_n 64/192 and 1-CTA variants were within 1-5% and never consistently
+    ahead.
     """
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     if m <= 64:
-        return DECODE_CONFIG
-    if m <= 256:
-        return MID_CONFIG
-    return PREFILL_CONFIG
-
+        cfg = DECODE_CONFIG
+    elif m <= 256:
+        cfg = MID_CONFIG
+    else:
+        cfg = PREFILL_CONFIG
+    if num_sms < cfg.cluster_n:
+        cfg = dataclasses.replace(cfg, cluster_n=1)
+    return cfg

@@ -57,6 +57,22 @@ def _check_tma_operand(name: str, t: torch.Tensor, inner: str) -> tuple[int, int
     return ptr, ptr + (last + 1) * es
 
 
+def _check_no_self_overlap(name: str, t: torch.Tensor) -> None:
+    """Distinct elements at distinct addresses (out is written concurrently).
+
+    Sufficient test for any dim order: sorted by stride, each stride reaches
+    past the whole extent of the dims inside it (permuted layouts pass)."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
+    extent = 1
+    for st, sz in dims:
+        if st < extent:
+            raise ValueError(
+                f"{name} must not overlap itself in memory (strides {tuple(t.stride())} "
+                f"for shape {tuple(t.shape)})"
+            )
+        extent = st * sz
+
+
 def _overlaps(x: tuple[int, int], y: tuple[int, int]) -> bool:
     return x[0] < y[1] and y[0] < x[1]
 
@@ -94,6 +110,7 @@ def validate_args(a, b, out, masked_m) -> tuple[int, int, int, int]:
     span_b = _check_tma_operand("b", b, "K")
     if out is not None:
         span_out = _check_tma_operand("out", out, "N")
+        _check_no_self_overlap("out", out)
         mm_ptr = masked_m.data_ptr()
         span_mm = (mm_ptr, mm_ptr + 4 * ((e_count - 1) * masked_m.stride(0) + 1))
         for other_name, span in (("a", span_a), ("b", span_b), ("masked_m", span_mm)):

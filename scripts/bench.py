@@ -136,13 +136,9 @@ def run_case(case, seed, reps, host=False, sweep=False):
         from flashgemm.config import HEURISTIC_CONFIGS, GemmConfig
 
         variants = list(HEURISTIC_CONFIGS) + [
-            GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2),
-            GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, cluster_n=2),
-            GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n=2),
-            GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, cluster_n=2),
-            GemmConfig(tile_m=128, tile_n=64, consumer_warpgroups=2, cluster_n=2),
-            GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2),
+            GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=1),
             GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2, cluster_n=2),
+            GemmConfig(tile_m=128, tile_n=64, consumer_warpgroups=2, cluster_n=2),
         ]
         for cfg in variants:
             results[f"cfg:{cfg.short_name()}"] = time_graph(
@@ -205,7 +201,6 @@ def main():
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--json", help="write raw results here")
     p.add_argument("--sweep", action="store_true", help="also time every heuristic config")
-    p.add_argument("--no-peers", action="store_true", help="skip the torch peers")
     p.add_argument("--md", help="write the markdown table here")
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -1,0 +1,310 @@
+"""Property tests of the tile scheduler's model and of the torch reference (CPU only).
+
+``tile_order`` models the device scheduler; ``valid_tiles`` states the work
+from the op's definition. The device walker (MaskedTileScheduler) is mirrored
+here in plain integer arithmetic and must reproduce tile_order exactly.
+"""
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from flashgemm.reference import grouped_gemm_nt_masked_ref
+from flashgemm.scheduler import tile_order, valid_tiles
+
+MAX_MS = (1, 63, 64, 65, 200, 1024)
+NS = (8, 120, 128, 136, 4096)
+TILE_MS = (64, 128)
+TILE_NS = (64, 128, 256)
+NUM_CTAS = (1, 7, 132)
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def clamp(m, max_m):
+    return min(max(m, 0), max_m)
+
+
+def draw_masked_m(rng, e_count, max_m):
+    choices = [
+        lambda: 0,
+        lambda: 1,
+        lambda: max_m,
+        lambda: max_m + 5,
+        lambda: 10**6,
+        lambda: -3,
+        lambda: rng.randint(0, max_m),
+        lambda: rng.randint(0, max_m),
+    ]
+    # some draws are mostly empty experts, some are mostly full
+    weights = [rng.random() for _ in choices]
+    return [rng.choices(choices, weights)[0]() for _ in range(e_count)]
+
+
+def draw_cases(seed, count, max_tiles=60_000):
+    """Random problems; the first two pin E = 1 and E = 256."""
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < count:
+        i = len(cases)
+        e_count = 1 if i == 0 else 256 if i == 1 else rng.choice([rng.randint(1, 16), rng.randint(1, 256)])
+        max_m = rng.choice(MAX_MS)
+        n = rng.choice(NS)
+        tile_m = rng.choice(TILE_MS)
+        tile_n = rng.choice(TILE_NS)
+        num_ctas = rng.choice(NUM_CTAS)
+        # bound the worst case so the Python walker stays fast
+        if e_count * cdiv(max_m, tile_m) * cdiv(n, tile_n) > max_tiles:
+            continue
+        masked_m = draw_masked_m(rng, e_count, max_m)
+        cases.append((masked_m, max_m, n, tile_m, tile_n, num_ctas))
+    return cases
+
+
+CASES = draw_cases(seed=20261122, count=400)
+
+
+def case_id(case):
+    masked_m, max_m, n, tile_m, tile_n, num_ctas = case
+    return f"E{len(masked_m)}-M{max_m}-N{n}-t{tile_m}x{tile_n}-g{num_ctas}"
+
+
+def test_cases_cover_the_grid():
+    # the draw really spans the requested space (guards the generator itself)
+    assert {len(c[0]) for c in CASES} >= {1, 256}
+    assert {c[1] for c in CASES} == set(MAX_MS)
+    assert {c[2] for c in CASES} == set(NS)
+    assert {c[3] for c in CASES} == set(TILE_MS)
+    assert {c[4] for c in CASES} == set(TILE_NS)
+    assert {c[5] for c in CASES} == set(NUM_CTAS)
+    values = {v for c in CASES for v in c[0]}
+    assert {0, 1, 10**6, -3} <= values
+    assert any(c[1] + 5 in c[0] for c in CASES) and any(c[1] in c[0] for c in CASES)
+
+
+def global_order(masked_m, max_m, n, tile_m, tile_n):
+    """All valid tiles in the scheduler's global order, built from the definition."""
+    return sorted(valid_tiles(masked_m, max_m, n, tile_m, tile_n), key=lambda t: (t[0], t[2], t[1]))
+
+
+# ---------------------------------------------------------------------------
+# tile_order against the op's definition
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", range(8))
+def test_every_valid_tile_exactly_once(chunk):
+    for case in CASES[chunk::8]:
+        masked_m, max_m, n, tile_m, tile_n, num_ctas = case
+        order = tile_order(masked_m, max_m, n, tile_m, tile_n, num_ctas)
+        assert len(order) == num_ctas, case_id(case)
+        got = Counter(t for cta in order for t in cta)
+        assert all(c == 1 for c in got.values()), f"{case_id(case)}: duplicated tiles"
+        assert set(got) == valid_tiles(masked_m, max_m, n, tile_m, tile_n), case_id(case)
+        empty = {e for e, m in enumerate(masked_m) if clamp(m, max_m) == 0}
+        assert not any(t[0] in empty for t in got), f"{case_id(case)}: tile of an empty expert"
+
+
+@pytest.mark.parametrize("chunk", range(8))
+def test_round_robin_in_global_order(chunk):
+    for case in CASES[chunk::8]:
+        masked_m, max_m, n, tile_m, tile_n, num_ctas = case
+        order = tile_order(masked_m, max_m, n, tile_m, tile_n, num_ctas)
+        ref = global_order(masked_m, max_m, n, tile_m, tile_n)
+        for c, tiles in enumerate(order):
+            keys = [(e, nb, mb) for e, mb, nb in tiles]
+            assert keys == sorted(keys) and len(set(keys)) == len(keys), f"{case_id(case)} cta {c}"
+            assert tiles == ref[c::num_ctas], f"{case_id(case)} cta {c}"
+
+
+@pytest.mark.parametrize("chunk", range(8))
+def test_tiles_hold_rows_and_count(chunk):
+    for case in CASES[chunk::8]:
+        masked_m, max_m, n, tile_m, tile_n, num_ctas = case
+        order = tile_order(masked_m, max_m, n, tile_m, tile_n, num_ctas)
+        n_blocks = cdiv(n, tile_n)
+        total = 0
+        for tiles in order:
+            for e, mb, nb in tiles:
+                assert 0 <= e < len(masked_m)
+                assert 0 <= mb and mb * tile_m < clamp(masked_m[e], max_m), case_id(case)
+                assert 0 <= nb < n_blocks, case_id(case)
+            total += len(tiles)
+        want = sum(cdiv(clamp(m, max_m), tile_m) * n_blocks for m in masked_m)
+        assert total == want, case_id(case)
+        # balance: round robin gives every CTA floor or ceil of the share
+        sizes = {len(t) for t in order}
+        assert sizes <= {want // num_ctas, cdiv(want, num_ctas)}, case_id(case)
+
+
+def test_tile_order_hand_example():
+    # e0: 3 rows -> 1 m-block; e1: empty; e2: 130 rows (clamped from 500 to
+    # max_m=130) -> 2 m-blocks; 2 n-blocks each; m fastest within an n-block
+    order = tile_order([3, 0, 500], 130, 256, 128, 128, 3)
+    assert order == [
+        [(0, 0, 0), (2, 1, 0)],
+        [(0, 0, 1), (2, 0, 1)],
+        [(2, 0, 0), (2, 1, 1)],
+    ]
+
+
+def test_tile_order_all_empty():
+    order = tile_order([0, -7, 0], 64, 128, 64, 128, 4)
+    assert order == [[], [], [], []]
+    assert valid_tiles([0, -7, 0], 64, 128, 64, 128) == set()
+
+
+# ---------------------------------------------------------------------------
+# mirror of MaskedTileScheduler's device arithmetic
+# ---------------------------------------------------------------------------
+
+
+class WalkerModel:
+    """MaskedTileScheduler in plain Python integers (same state, same steps)."""
+
+    def __init__(self, masked_m, max_m, num_n_blocks, tile_m, block_idx, grid_size, cluster_n=1, cta_rank=0):
+        self.masked_m = masked_m
+        self.num_experts = len(masked_m)
+        self.max_m = max_m
+        self.num_n_blocks = (num_n_blocks + cluster_n - 1) // cluster_n  # n-groups
+        self.tile_m = tile_m
+        self.num_ctas = grid_size // cluster_n  # clusters
+        self.cluster_n = cluster_n
+        self.cta_rank = cta_rank
+        self.linear_idx = block_idx // cluster_n
+        self.expert = 0
+        self.tiles_before = 0
+        self.expert_tiles = self._tiles_of(0)
+        self._seek()
+
+    def _rows_of(self, e):
+        in_range = e < self.num_experts
+        e_safe = min(e, self.num_experts - 1)  # never read past E
+        m = self.masked_m[e_safe]
+        m = max(min(m, self.max_m), 0)
+        return m if in_range else 0
+
+    def _tiles_of(self, e):
+        rows = self._rows_of(e)
+        return ((rows + (self.tile_m - 1)) // self.tile_m) * self.num_n_blocks
+
+    def _seek(self):
+        while self.expert < self.num_experts and self.linear_idx >= self.tiles_before + self.expert_tiles:
+            self.tiles_before += self.expert_tiles
+            self.expert += 1
+            self.expert_tiles = self._tiles_of(self.expert)
+
+    def work(self):
+        local = self.linear_idx - self.tiles_before
+        m_blocks = max(self.expert_tiles // self.num_n_blocks, 1)
+        n_group = local // m_blocks
+        m_block = local - n_group * m_blocks
+        n_block = n_group * self.cluster_n + self.cta_rank
+        rows = self._rows_of(self.expert)
+        valid_rows = min(rows - m_block * self.tile_m, self.tile_m)
+        return self.expert, m_block, n_block, valid_rows, self.expert < self.num_experts
+
+    def advance(self):
+        self.linear_idx += self.num_ctas
+        self._seek()
+
+
+def walk(masked_m, max_m, n, tile_m, tile_n, num_ctas, cluster_n=1, keep_clipped=False):
+    """Run the walker model for every CTA of the grid, as the kernel does."""
+    n_blocks = cdiv(n, tile_n)
+    per_cta = []
+    for c in range(num_ctas):
+        w = WalkerModel(masked_m, max_m, n_blocks, tile_m, c, num_ctas, cluster_n, c % cluster_n)
+        tiles = []
+        e, mb, nb, valid_rows, ok = w.work()
+        while ok:
+            assert 1 <= valid_rows <= tile_m  # every handed-out tile stores >= 1 row
+            assert valid_rows == min(clamp(masked_m[e], max_m) - mb * tile_m, tile_m)
+            if keep_clipped or nb < n_blocks:  # past-N ranks compute, store nothing
+                tiles.append((e, mb, nb))
+            w.advance()
+            e, mb, nb, valid_rows, ok = w.work()
+        assert w.expert == len(masked_m)  # walked off the end, guarded
+        per_cta.append(tiles)
+    return per_cta
+
+
+@pytest.mark.parametrize("chunk", range(8))
+def test_walker_matches_tile_order(chunk):
+    for case in CASES[chunk::8]:
+        assert walk(*case) == tile_order(*case), case_id(case)
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_walker_matches_tile_order_clusters(chunk):
+    for case in CASES[chunk::4][:60]:
+        masked_m, max_m, n, tile_m, tile_n, num_ctas = case
+        num_ctas = 2 * max(1, num_ctas // 2)  # grid is a multiple of cluster_n
+        args = (masked_m, max_m, n, tile_m, tile_n, num_ctas)
+        order = tile_order(*args, cluster_n=2)
+        assert walk(*args, cluster_n=2) == order, case_id(case)
+        got = Counter(t for cta in order for t in cta)
+        assert all(c == 1 for c in got.values())
+        assert set(got) == valid_tiles(masked_m, max_m, n, tile_m, tile_n), case_id(case)
+        # both CTAs of a cluster take the same (expert, m_block) in lockstep,
+        # on adjacent n-blocks (before the past-N clip)
+        full = walk(*args, cluster_n=2, keep_clipped=True)
+        for c in range(0, num_ctas, 2):
+            assert len(full[c]) == len(full[c + 1])
+            for t0, t1 in zip(full[c], full[c + 1]):
+                assert t0[:2] == t1[:2] and t1[2] == t0[2] + 1 and t0[2] % 2 == 0
+
+
+def test_walker_empty_experts_and_guard():
+    # trailing and leading empty experts, values past max_m and negative
+    masked_m = [0, -3, 10**6, 0, 0]
+    assert walk(masked_m, 65, 136, 64, 64, 7) == tile_order(masked_m, 65, 136, 64, 64, 7)
+    assert walk([0] * 5, 64, 128, 64, 128, 3) == [[], [], []]
+
+
+# ---------------------------------------------------------------------------
+# torch reference
+# ---------------------------------------------------------------------------
+
+
+def direct_f64(a, b):
+    """out[i, j] = sum_k a[i, k] * b[j, k], elementwise in float64."""
+    return (a.double()[:, None, :] * b.double()[None, :, :]).sum(-1)
+
+
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float64])
+def test_reference_matches_direct(seed, acc_dtype):
+    e_count, max_m, n, k = 5, 12, 24, 40
+    a = torch.randn(e_count, max_m, k).to(torch.bfloat16)
+    b = torch.randn(e_count, n, k).to(torch.bfloat16)
+    out = torch.randn(e_count, max_m, n).to(torch.bfloat16)
+    out_before = out.clone()
+    masked_m = torch.tensor([0, 5, max_m, -4, max_m + 9], dtype=torch.int32)
+    ref = grouped_gemm_nt_masked_ref(a, b, masked_m, out, acc_dtype=acc_dtype)
+    assert ref.dtype == acc_dtype and ref.shape == (e_count, max_m, n)
+    assert torch.equal(out, out_before)  # the given out is not modified
+    tol = 1e-12 if acc_dtype == torch.float64 else 1e-4
+    for e, m in enumerate([0, 5, max_m, 0, max_m]):  # clamped rows
+        if m:
+            want = direct_f64(a[e, :m], b[e])
+            torch.testing.assert_close(ref[e, :m].double(), want, rtol=tol, atol=tol)
+        # rows >= m_e are the given out's rows, bit for bit (bf16 -> acc is exact)
+        assert torch.equal(ref[e, m:], out[e, m:].to(acc_dtype))
+    # a negative count computes nothing; a count past max_m computes every row
+    assert torch.equal(ref[3], out[3].to(acc_dtype))
+    assert not torch.equal(ref[4], out[4].to(acc_dtype))
+
+
+def test_reference_without_out_zero_fills(seed):
+    a = torch.randn(3, 8, 16).to(torch.bfloat16)
+    b = torch.randn(3, 16, 16).to(torch.bfloat16)
+    masked_m = torch.tensor([3, 0, 100], dtype=torch.int32)
+    ref = grouped_gemm_nt_masked_ref(a, b, masked_m)
+    assert ref.dtype == torch.float32
+    assert torch.count_nonzero(ref[0, 3:]) == 0 and torch.count_nonzero(ref[1]) == 0
+    torch.testing.assert_close(ref[0, :3].double(), direct_f64(a[0, :3], b[0]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ref[2].double(), direct_f64(a[2], b[2]), rtol=1e-4, atol=1e-4)

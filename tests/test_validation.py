@@ -1,0 +1,518 @@
+"""Host-side argument checks of the public op (CPU only, no GPU needed).
+
+validate_args reads only metadata (shape, dtype, strides, pointers), so CPU
+tensors exercise every check; validate_device takes the device facts as
+arguments, so any capability / SM count can be driven from here.
+"""
+
+import re
+
+import pytest
+import torch
+
+import flashgemm
+from flashgemm.config import GemmConfig
+from flashgemm.launcher import validate_args, validate_device
+
+BF16 = torch.bfloat16
+E, M, N, K = 3, 40, 24, 32
+
+
+def make(e=E, m=M, n=N, k=K, with_out=True):
+    a = torch.randn(e, m, k).to(BF16)
+    b = torch.randn(e, n, k).to(BF16)
+    out = torch.empty(e, m, n, dtype=BF16) if with_out else None
+    mm = torch.full((e,), m, dtype=torch.int32)
+    return a, b, out, mm
+
+
+class FakeTensor:
+    """validate_device only reads ``.device``: a stand-in for CUDA tensors."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+
+
+def cuda_tensors(**devices):
+    return {name: FakeTensor(dev) for name, dev in devices.items()}
+
+
+# ---------------------------------------------------------------------------
+# validate_args: accepted inputs
+# ---------------------------------------------------------------------------
+
+
+def test_valid_compact_inputs_return_sizes():
+    a, b, out, mm = make()
+    assert validate_args(a, b, out, mm) == (E, M, N, K)
+
+
+def test_out_none_accepted():
+    a, b, _, mm = make(with_out=False)
+    assert validate_args(a, b, None, mm) == (E, M, N, K)
+
+
+def test_non_compact_legal_strides_accepted():
+    # sliced along experts and rows of bigger tensors: strides stay 16-byte
+    # multiples, inner dim stays contiguous, base stays aligned
+    big_a = torch.randn(2 * E, M + 24, K).to(BF16)
+    big_b = torch.randn(E + 2, N, K + 16).to(BF16)
+    big_out = torch.empty(E + 1, M + 8, N + 8, dtype=BF16)
+    a = big_a[::2, 8 : 8 + M]  # expert stride doubled, row offset 8 rows
+    b = big_b[1 : 1 + E, :, 8 : 8 + K]  # K offset 8 elems = 16 bytes
+    out = big_out[1:, :M, :N]
+    assert not a.is_contiguous() and not b.is_contiguous() and not out.is_contiguous()
+    mm = torch.tensor([0, 5, M], dtype=torch.int32)
+    assert validate_args(a, b, out, mm) == (E, M, N, K)
+
+
+def test_minimum_sizes_accepted():
+    # K = N = 8 (16-byte rows), max_m = 1, E = 1
+    a, b, out, mm = make(e=1, m=1, n=8, k=8)
+    assert validate_args(a, b, out, mm) == (1, 1, 8, 8)
+
+
+def test_masked_m_values_are_data_not_validated():
+    a, b, out, _ = make(e=2)
+    mm = torch.tensor([-5, 10**9], dtype=torch.int32)
+    assert validate_args(a, b, out, mm) == (2, M, N, K)
+
+
+def test_out_adjacent_to_a_in_one_buffer_is_not_overlap():
+    # one storage: a occupies [0, E*M*K), out starts right after it
+    buf = torch.empty(E * M * K + E * M * N, dtype=BF16)
+    a = buf[: E * M * K].view(E, M, K)
+    out = buf[E * M * K :].view(E, M, N)
+    _, b, _, mm = make()
+    assert validate_args(a, b, out, mm) == (E, M, N, K)
+
+
+# ---------------------------------------------------------------------------
+# validate_args: dtypes and types
+# ---------------------------------------------------------------------------
+
+
+def test_a_float32_rejected():
+    a, b, out, mm = make()
+    with pytest.raises(TypeError, match=r"^a must have dtype"):
+        validate_args(a.float(), b, out, mm)
+
+
+def test_a_float16_rejected():
+    a, b, out, mm = make()
+    with pytest.raises(TypeError, match=r"^a must have dtype .*float16"):
+        validate_args(a.half(), b.half(), out.half(), mm)
+
+
+def test_b_dtype_differs_from_a():
+    a, b, out, mm = make()
+    with pytest.raises(TypeError, match=r"^b must have dtype"):
+        validate_args(a, b.half(), out, mm)
+
+
+def test_out_dtype_rejected():
+    a, b, out, mm = make()
+    with pytest.raises(TypeError, match=r"^out must have dtype"):
+        validate_args(a, b, out.float(), mm)
+
+
+def test_masked_m_int64_rejected():
+    a, b, out, mm = make()
+    with pytest.raises(TypeError, match=r"^masked_m must have dtype torch\.int32"):
+        validate_args(a, b, out, mm.long())
+
+
+@pytest.mark.parametrize("which", ["a", "b", "out", "masked_m"])
+def test_non_tensor_argument_rejected(which):
+    args = dict(zip(("a", "b", "out", "masked_m"), make()))
+    args[which] = args[which].tolist()
+    with pytest.raises(TypeError, match=rf"^{which} must be a torch\.Tensor, got list"):
+        validate_args(**args)
+
+
+# ---------------------------------------------------------------------------
+# validate_args: ranks and shapes
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "which,bad",
+    [
+        ("a", lambda t: t[0]),
+        ("a", lambda t: t.unsqueeze(0)),
+        ("b", lambda t: t[0]),
+        ("out", lambda t: t.reshape(E * M, N)),
+        ("masked_m", lambda t: t.reshape(1, E)),
+        ("masked_m", lambda t: t[0]),
+    ],
+)
+def test_wrong_rank_rejected(which, bad):
+    args = dict(zip(("a", "b", "out", "masked_m"), make()))
+    args[which] = bad(args[which])
+    with pytest.raises(ValueError, match=rf"^{which} must have rank"):
+        validate_args(**args)
+
+
+def test_expert_count_mismatch():
+    a, _, out, mm = make()
+    b = torch.randn(E + 1, N, K).to(BF16)
+    with pytest.raises(ValueError, match=r"b\.shape\[0\] must equal the expert count E=3"):
+        validate_args(a, b, out, mm)
+
+
+def test_k_mismatch():
+    a, _, out, mm = make()
+    b = torch.randn(E, N, K + 8).to(BF16)
+    with pytest.raises(ValueError, match=r"b\.shape\[2\] must equal K=32"):
+        validate_args(a, b, out, mm)
+
+
+@pytest.mark.parametrize(
+    "shape", [(E + 1, M, N), (E, M + 1, N), (E, M - 1, N), (E, M, N + 8)], ids=["E", "max_m+", "max_m-", "N"]
+)
+def test_out_shape_mismatch(shape):
+    a, b, _, mm = make()
+    out = torch.empty(shape, dtype=BF16)
+    with pytest.raises(ValueError, match=r"^out must have shape \(E, max_m, N\)"):
+        validate_args(a, b, out, mm)
+
+
+@pytest.mark.parametrize("length", [E - 1, E + 1])
+def test_masked_m_wrong_length(length):
+    a, b, out, _ = make()
+    mm = torch.zeros(length, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^masked_m must have E=3 entries"):
+        validate_args(a, b, out, mm)
+
+
+def test_masked_m_not_contiguous():
+    a, b, out, _ = make()
+    mm = torch.zeros(2 * E, dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match=r"^masked_m must be contiguous"):
+        validate_args(a, b, out, mm)
+
+
+def test_zero_experts_rejected():
+    a, b, out, mm = make(e=0)
+    with pytest.raises(ValueError, match=r"^a must hold at least one expert"):
+        validate_args(a, b, out, mm)
+
+
+def test_zero_rows_rejected():
+    a, b, out, mm = make(m=0)
+    with pytest.raises(ValueError, match=r"max_m"):
+        validate_args(a, b, out, mm)
+
+
+@pytest.mark.parametrize("k", [4, 12, 36])
+def test_k_not_multiple_of_8(k):
+    a, b, out, mm = make(k=k)
+    with pytest.raises(ValueError, match=rf"^K \(a\.shape\[2\]\) must be a positive multiple of 8, got {k}"):
+        validate_args(a, b, out, mm)
+
+
+@pytest.mark.parametrize("n", [4, 20, 36])
+def test_n_not_multiple_of_8(n):
+    a, b, out, mm = make(n=n)
+    with pytest.raises(ValueError, match=rf"^N \(b\.shape\[1\]\) must be a positive multiple of 8, got {n}"):
+        validate_args(a, b, out, mm)
+
+
+# ---------------------------------------------------------------------------
+# validate_args: strides and alignment the TMA cannot take
+# ---------------------------------------------------------------------------
+
+
+def test_a_not_k_contiguous():
+    _, b, out, mm = make()
+    a = torch.randn(E, K, M).to(BF16).transpose(1, 2)  # [E, M, K], K stride M
+    assert a.shape == (E, M, K)
+    with pytest.raises(ValueError, match=r"^a must be contiguous along K"):
+        validate_args(a, b, out, mm)
+
+
+def test_b_not_k_contiguous():
+    a, _, out, mm = make()
+    b = torch.randn(E, K, N).to(BF16).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"^b must be contiguous along K"):
+        validate_args(a, b, out, mm)
+
+
+def test_out_not_n_contiguous():
+    a, b, _, mm = make()
+    out = torch.empty(E, N, M, dtype=BF16).transpose(1, 2)
+    with pytest.raises(ValueError, match=r"^out must be contiguous along N"):
+        validate_args(a, b, out, mm)
+
+
+def test_a_row_stride_not_16_byte_multiple():
+    # last dim K+4 -> row stride (K+4)*2 = 72 bytes; expert stride 2*72 = 144 = 9*16
+    # is fine, so the row stride is the one reported
+    _, b, out, mm = make(m=2)
+    a = torch.randn(E, 2, K + 4).to(BF16)[:, :, :K]
+    assert (a.stride(1) * 2) % 16 != 0 and (a.stride(0) * 2) % 16 == 0
+    with pytest.raises(ValueError, match=r"^a\.stride\(1\) = 36 elements is not a multiple of 16 bytes"):
+        validate_args(a, b, out, mm)
+
+
+def test_b_expert_stride_not_16_byte_multiple():
+    a, _, out, mm = make()
+    flat = torch.empty(E * N * K + 8 * E, dtype=BF16)
+    b = flat.as_strided((E, N, K), (N * K + 4, K, 1))  # expert stride 4 elems off
+    with pytest.raises(ValueError, match=r"^b\.stride\(0\)"):
+        validate_args(a, b, out, mm)
+
+
+def test_out_row_stride_not_16_byte_multiple():
+    a, b, _, mm = make(m=8)
+    out = torch.empty(E, 8, N + 2, dtype=BF16)[:, :, :N]  # 52-byte rows
+    with pytest.raises(ValueError, match=r"^out\.stride\(1\)"):
+        validate_args(a, b, out, mm)
+
+
+def test_a_base_not_16_byte_aligned():
+    _, b, out, mm = make()
+    flat = torch.empty(E * M * K + 8, dtype=BF16)
+    assert flat.data_ptr() % 16 == 0
+    a = flat[1 : 1 + E * M * K].view(E, M, K)  # 2 bytes past an aligned base
+    assert a.stride() == (M * K, K, 1)
+    with pytest.raises(ValueError, match=r"^a base address must be 16-byte aligned"):
+        validate_args(a, b, out, mm)
+
+
+def test_out_base_not_16_byte_aligned():
+    a, b, _, mm = make()
+    flat = torch.empty(E * M * N + 8, dtype=BF16)
+    out = flat[4 : 4 + E * M * N].view(E, M, N)  # 8 bytes past an aligned base
+    with pytest.raises(ValueError, match=r"^out base address must be 16-byte aligned"):
+        validate_args(a, b, out, mm)
+
+
+# ---------------------------------------------------------------------------
+# validate_args: aliasing
+# ---------------------------------------------------------------------------
+
+
+def test_out_overlapping_a():
+    # out starts 16 elements (32 bytes, aligned) before the end of a
+    buf = torch.empty(E * M * K + E * M * N, dtype=BF16)
+    a = buf[: E * M * K].view(E, M, K)
+    out = buf[E * M * K - 16 : E * M * K - 16 + E * M * N].view(E, M, N)
+    _, b, _, mm = make()
+    with pytest.raises(ValueError, match=r"^out must not overlap a in memory"):
+        validate_args(a, b, out, mm)
+
+
+def test_out_overlapping_b():
+    # out ends inside b: b lies 8 elements after out's base
+    buf = torch.empty(E * M * N + E * N * K, dtype=BF16)
+    out = buf[: E * M * N].view(E, M, N)
+    b = buf[8 : 8 + E * N * K].view(E, N, K)
+    a, _, _, mm = make()
+    with pytest.raises(ValueError, match=r"^out must not overlap b in memory"):
+        validate_args(a, b, out, mm)
+
+
+def test_out_identical_to_a():
+    a, b, _, mm = make(n=K)
+    with pytest.raises(ValueError, match=r"^out must not overlap a"):
+        validate_args(a, b, a, mm)
+
+
+def test_out_overlapping_masked_m():
+    # one byte buffer seen as bf16 out and int32 masked_m
+    raw = torch.zeros(2 * E * M * N, dtype=torch.uint8)
+    out = raw.view(BF16).view(E, M, N)
+    mm = raw[16 : 16 + 4 * E].view(torch.int32)
+    a, b, _, _ = make()
+    with pytest.raises(ValueError, match=r"^out must not overlap masked_m"):
+        validate_args(a, b, out, mm)
+
+
+# ---------------------------------------------------------------------------
+# validate_device
+# ---------------------------------------------------------------------------
+
+HOPPER = (9, 0)
+SMS = 132
+
+
+def test_device_cpu_tensor_named():
+    t = cuda_tensors(a="cuda:0", out="cuda:0")
+    t["b"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"^b must be on a CUDA device, got cpu"):
+        validate_device(t, None, HOPPER, SMS)
+
+
+def test_device_real_cpu_tensors():
+    a, b, out, mm = make()
+    with pytest.raises(ValueError, match=r"^a must be on a CUDA device"):
+        validate_device({"a": a, "b": b, "out": out, "masked_m": mm}, None, HOPPER, SMS)
+
+
+def test_device_mismatch():
+    t = cuda_tensors(a="cuda:0", b="cuda:0", out="cuda:0", masked_m="cuda:1")
+    with pytest.raises(ValueError, match=r"^masked_m is on cuda:1 but a is on cuda:0"):
+        validate_device(t, None, HOPPER, SMS)
+
+
+def test_device_out_none_skipped():
+    t = cuda_tensors(a="cuda:1", b="cuda:1", masked_m="cuda:1")
+    t["out"] = None
+    assert validate_device(t, None, HOPPER, SMS) == SMS
+
+
+@pytest.mark.parametrize("cap,shown", [((8, 0), "sm_80"), ((10, 0), "sm_100"), ((9, 1), "sm_91")])
+def test_device_wrong_capability(cap, shown):
+    t = cuda_tensors(a="cuda:0", b="cuda:0")
+    with pytest.raises(ValueError, match=rf"sm_90 \(Hopper\).*cuda:0 is NVIDIA X {shown}$"):
+        validate_device(t, None, cap, SMS, "NVIDIA X")
+
+
+def test_device_wrong_capability_without_name():
+    t = cuda_tensors(a="cuda:0")
+    with pytest.raises(ValueError, match=r"cuda:0 is sm_80$"):
+        validate_device(t, None, (8, 0), SMS)
+
+
+@pytest.mark.parametrize("num_sms", [0, -1, SMS + 1])
+def test_device_num_sms_out_of_range(num_sms):
+    t = cuda_tensors(a="cuda:0")
+    with pytest.raises(ValueError, match=rf"^num_sms must be in \[1, {SMS}\].*got {num_sms}"):
+        validate_device(t, num_sms, HOPPER, SMS)
+
+
+@pytest.mark.parametrize("num_sms", [2.5, True, False, "8", 8.0])
+def test_device_num_sms_not_int(num_sms):
+    t = cuda_tensors(a="cuda:0")
+    with pytest.raises(TypeError, match=r"^num_sms must be an int"):
+        validate_device(t, num_sms, HOPPER, SMS)
+
+
+def test_device_num_sms_none_is_sm_count():
+    t = cuda_tensors(a="cuda:0", b="cuda:0")
+    assert validate_device(t, None, HOPPER, SMS) == SMS
+    assert validate_device(t, None, HOPPER, 114) == 114
+
+
+@pytest.mark.parametrize("num_sms", [1, 7, SMS])
+def test_device_valid_num_sms_returned(num_sms):
+    t = cuda_tensors(a="cuda:0", b="cuda:0", out="cuda:0", masked_m="cuda:0")
+    assert validate_device(t, num_sms, HOPPER, SMS) == num_sms
+
+
+# ---------------------------------------------------------------------------
+# public op on CPU tensors: must raise before any launch
+# ---------------------------------------------------------------------------
+
+
+def test_public_cpu_tensors_rejected():
+    a, b, out, mm = make()
+    with pytest.raises(ValueError, match=r"must be on a CUDA device"):
+        flashgemm.grouped_gemm_nt_masked(a, b, out, mm)
+
+
+def test_public_cpu_out_none_rejected():
+    a, b, _, mm = make()
+    with pytest.raises(ValueError, match=r"^a must be on a CUDA device"):
+        flashgemm.grouped_gemm_nt_masked(a, b, None, mm, expected_m=4, num_sms=8)
+
+
+def test_public_argument_errors_come_first():
+    # shape checks run before the device check
+    a, b, out, mm = make()
+    with pytest.raises(TypeError, match=r"^masked_m must have dtype"):
+        flashgemm.grouped_gemm_nt_masked(a, b, out, mm.long())
+
+
+def test_public_bad_config_type_on_cpu():
+    # launcher order: validate_args, validate_device, expected_m, then the
+    # config type check -- so on CPU the device error wins over the dict.
+    a, b, out, mm = make()
+    with pytest.raises(ValueError, match=r"must be on a CUDA device"):
+        flashgemm.grouped_gemm_nt_masked(a, b, out, mm, config={"tile_m": 64})
+
+
+def test_public_unsupported_config_on_cpu():
+    a, b, out, mm = make()
+    with pytest.raises(ValueError, match=r"must be on a CUDA device"):
+        flashgemm.grouped_gemm_nt_masked(a, b, out, mm, config=GemmConfig(tile_n=96))
+
+
+# ---------------------------------------------------------------------------
+# GemmConfig.validate
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg,pattern",
+    [
+        (GemmConfig(tile_m=128, consumer_warpgroups=1), r"config\.tile_m must be 64 \* consumer_warpgroups \(64\)"),
+        (GemmConfig(tile_m=64, consumer_warpgroups=2), r"config\.tile_m must be 64 \* consumer_warpgroups \(128\)"),
+        (GemmConfig(tile_n=96), r"config\.tile_n must be one of"),
+        (GemmConfig(tile_n=512), r"config\.tile_n must be one of"),
+        (GemmConfig(cluster_m=2), r"cluster shape \(2, 1\)"),
+        (GemmConfig(cluster_n=4), r"cluster shape \(1, 4\)"),
+        (GemmConfig(consumer_warpgroups=3, tile_m=192), r"config\.consumer_warpgroups must be 1 or 2"),
+        (GemmConfig(tile_k=32), r"config\.tile_k must be 64"),
+        (GemmConfig(stages=-1), r"config\.stages must be >= 0"),
+        (GemmConfig(stages=1), r"at least 2 pipeline stages"),
+        (GemmConfig(stages=20), r"shared\s+memory"),
+    ],
+)
+def test_config_validate_rejects(cfg, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        cfg.validate()
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GemmConfig(),
+        GemmConfig(tile_m=64, consumer_warpgroups=1, tile_n=256),
+        GemmConfig(tile_n=192),
+        GemmConfig(cluster_n=2),
+        GemmConfig(stages=4),
+    ],
+    ids=lambda c: c.short_name(),
+)
+def test_config_validate_accepts(cfg):
+    assert cfg.validate() is cfg
+    assert cfg.resolved_stages() >= 2
+    assert cfg.smem_bytes() <= 232448
+
+
+def test_config_auto_stages_fill_smem():
+    cfg = GemmConfig()
+    s = cfg.resolved_stages()
+    # one more stage would not fit
+    assert GemmConfig(stages=s).validate()
+    with pytest.raises(ValueError, match=re.escape("lower config.stages")):
+        GemmConfig(stages=s + 1).validate()
+
+
+@pytest.mark.parametrize(
+    "make_out",
+    [
+        lambda e, m, n: torch.empty(1, m, n, dtype=torch.bfloat16).expand(e, m, n),
+        lambda e, m, n: torch.empty(m * n + 64, dtype=torch.bfloat16).as_strided((e, m, n), (0, 0, 1)),
+        lambda e, m, n: torch.empty(e * m * n, dtype=torch.bfloat16).as_strided((e, m, n), (8 * n, n, 1)),
+    ],
+    ids=["expanded-experts", "all-rows-aliased", "experts-overlap"],
+)
+def test_out_overlapping_itself_rejected(make_out):
+    e, m, n, k = 3, 64, 128, 64
+    a = torch.randn(e, m, k, dtype=torch.bfloat16)
+    b = torch.randn(e, n, k, dtype=torch.bfloat16)
+    masked_m = torch.full((e,), m, dtype=torch.int32)
+    with pytest.raises(ValueError, match="out must not overlap itself"):
+        validate_args(a, b, make_out(e, m, n), masked_m)
+
+
+def test_out_permuted_layout_accepted():
+    """A non-overlapping out with experts interleaved between rows is legal."""
+    e, m, n, k = 3, 64, 128, 64
+    a = torch.randn(e, m, k, dtype=torch.bfloat16)
+    b = torch.randn(e, n, k, dtype=torch.bfloat16)
+    out = torch.empty(m, e, n, dtype=torch.bfloat16).transpose(0, 1)
+    assert validate_args(a, b, out, torch.full((e,), m, dtype=torch.int32)) == (e, m, n, k)
