@@ -3,7 +3,17 @@
 __version__ = "0.1.0"
 
 from .config import GemmConfig, choose_config  # noqa: E402
-from .launcher import grouped_gemm_nt_masked  # noqa: E402
+from .launcher import grouped_gemm_nt_masked, signal_layout  # noqa: E402
+from .signals import SignalLayout, alloc_signals  # noqa: E402
 from . import reference  # noqa: E402
 
-__all__ = ["GemmConfig", "choose_config", "grouped_gemm_nt_masked", "reference", "__version__"]
+__all__ = [
+    "GemmConfig",
+    "SignalLayout",
+    "alloc_signals",
+    "choose_config",
+    "grouped_gemm_nt_masked",
+    "reference",
+    "signal_layout",
+    "__version__",
+]

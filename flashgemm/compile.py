@@ -71,8 +71,10 @@ def _versions() -> tuple[str, str]:
     return __version__, dsl_version
 
 
-def cache_key(config: GemmConfig, ab_dtype: str, out_dtype: str, arch: str) -> tuple:
-    return (*_versions(), arch, ab_dtype, out_dtype, config)
+def cache_key(
+    config: GemmConfig, ab_dtype: str, out_dtype: str, arch: str, signal_mode: Optional[str] = None
+) -> tuple:
+    return (*_versions(), arch, ab_dtype, out_dtype, config, signal_mode)
 
 
 def _cutlass_dtype(name: str):
@@ -96,7 +98,8 @@ def _fake_args(ab_dtype, out_dtype):
     b = fake(ab_dtype, (e, n, k), (ld(ab_dtype), ld(ab_dtype), 1), assumed_align=16)
     d = fake(out_dtype, (e, m, n), (ld(out_dtype), ld(out_dtype), 1), assumed_align=16)
     masked_m = fake(cutlass.Int32, (e,), (1,), assumed_align=4)
-    return a, b, d, masked_m
+    signals = fake(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
+    return a, b, d, masked_m, signals
 
 
 def build(
@@ -105,10 +108,12 @@ def build(
     out_dtype: str = "bf16",
     arch: Optional[str] = None,
     keep_ptx: bool = False,
+    signal_mode: Optional[str] = None,
 ):
     """Compile one kernel (no caching). Returns the TVM-FFI callable
-    ``fn(a, b, out, masked_m, num_ctas)``; with ``keep_ptx`` its ``__ptx__``
-    holds the generated PTX."""
+    ``fn(a, b, out, masked_m, signals, num_ctas)``; with ``keep_ptx`` its
+    ``__ptx__`` holds the generated PTX. ``signal_mode``: None, "m_block" or
+    "expert"."""
     arch = ensure_arch_env(arch)
     import cutlass
     import cutlass.cute as cute
@@ -118,8 +123,8 @@ def build(
     global compile_count
     ab_t, out_t = _cutlass_dtype(ab_dtype), _cutlass_dtype(out_dtype)
     config.validate(ab_t.width // 8, out_t.width // 8)
-    gemm = MaskedGroupedGemmSm90(config, ab_t, out_t)
-    a, b, d, masked_m = _fake_args(ab_t, out_t)
+    gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, signal_mode)
+    a, b, d, masked_m, signals = _fake_args(ab_t, out_t)
     options = "--enable-tvm-ffi"
     if keep_ptx:
         # the DSL also writes the PTX to a file: keep it out of the caller's cwd
@@ -130,6 +135,7 @@ def build(
         b,
         d,
         masked_m,
+        signals,
         cutlass.Int32(1),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         options=options,
@@ -138,16 +144,62 @@ def build(
     return fn
 
 
-def get_kernel(config: GemmConfig, ab_dtype: str = "bf16", out_dtype: str = "bf16", arch: Optional[str] = None):
+def get_kernel(
+    config: GemmConfig,
+    ab_dtype: str = "bf16",
+    out_dtype: str = "bf16",
+    arch: Optional[str] = None,
+    signal_mode: Optional[str] = None,
+):
     """The cached compiled kernel for this key (compiled on first use, once per process)."""
     arch = arch or default_arch()
-    key = cache_key(config, ab_dtype, out_dtype, arch)
+    key = cache_key(config, ab_dtype, out_dtype, arch, signal_mode)
     fn = _cache.get(key)
     if fn is not None:
         return fn
     with _lock:
         fn = _cache.get(key)
         if fn is None:
-            fn = build(config, ab_dtype, out_dtype, arch)
+            fn = build(config, ab_dtype, out_dtype, arch, signal_mode=signal_mode)
+            _cache[key] = fn
+    return fn
+
+
+def get_combine_kernel(block_m: int, arch: Optional[str] = None):
+    """The compiled reference combine (``combine.MaskedCombineSm90``), cached."""
+    arch = arch or default_arch()
+    key = (*_versions(), arch, "combine", block_m)
+    fn = _cache.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _cache.get(key)
+        if fn is None:
+            ensure_arch_env(arch)
+            import cutlass
+            import cutlass.cute as cute
+
+            from .combine import MaskedCombineSm90
+
+            global compile_count
+            e, m, n, t = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+            fake = cute.runtime.make_fake_compact_tensor
+            row_major = lambda dt, shape: fake(dt, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=4)  # noqa: E731
+            fn = cute.compile(
+                MaskedCombineSm90(block_m),
+                row_major(cutlass.BFloat16, (e, m, n)),
+                fake(cutlass.Int32, (e,), assumed_align=4),
+                fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4),
+                row_major(cutlass.Int32, (e, m)),
+                row_major(cutlass.Float32, (e, m)),
+                row_major(cutlass.Float32, (t, n)),
+                fake(cutlass.Int32, (1,), assumed_align=4),
+                cutlass.Int32(1),
+                cutlass.Int32(1),
+                cutlass.Int32(1),
+                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                options="--enable-tvm-ffi",
+            )
+            compile_count += 1
             _cache[key] = fn
     return fn

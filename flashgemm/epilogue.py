@@ -12,6 +12,17 @@ Two paths, chosen per tile (the choice is uniform across the tile's threads):
   of the tile, which belong to the caller (``out[e, m_e:]`` stays untouched).
   These tiles are small (decode outputs are ~0.5% of the weight bytes), so
   the narrower stores do not show in the time.
+
+Completion signals (see ``signals.py``): a finished tile's signal is not
+published at once but left *pending* and published by ``publish`` after the
+first k-tile of the next tile has been issued (or at exit): by then the tile's
+bulk stores have had a k-tile's time to drain, so the storing thread's
+``cp.async.bulk.wait_group 0`` rarely waits and the epilogue never blocks on
+its own stores. Publishing is: wait for the bulk groups to *complete* (not just
+to release shared memory), ``fence.proxy.async.global`` (order the async-proxy
+writes before generic-proxy operations), ``fence.acq_rel.gpu`` (cumulativity
+over the other threads' predicated stores, ordered by the epilogue barrier),
+then ``red.release.gpu.add`` on the counter.
 """
 
 from __future__ import annotations
@@ -82,11 +93,40 @@ class TileEpilogue:
         return self
 
     @cute.jit
-    def store(self, expert: Int32, m_block: Int32, n_block: Int32, valid_rows: Int32, n_total: Int32):
+    def store(
+        self,
+        expert: Int32,
+        m_block: Int32,
+        n_block: Int32,
+        valid_rows: Int32,
+        n_total: Int32,
+        signals: cutlass.Constexpr = False,
+    ):
         if valid_rows == self.tile_mn[0]:
             self._store_full_tma(expert, m_block, n_block)
         else:
             self._store_partial_simt(expert, m_block, n_block, valid_rows, n_total)
+            if cutlass.const_expr(signals):
+                # every thread's stores are issued before the storing thread
+                # publishes the tile
+                self.epi_barrier.arrive_and_wait()
+
+    @cute.jit
+    def publish(self, pending: Int32, mSignals: cute.Tensor):
+        """Release-add 1 to counter ``pending`` (if >= 0) once the tile is in memory."""
+        if self.is_store_thread:
+            if pending >= 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_proxy("async.global")
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.red(
+                    mSignals.iterator + pending,
+                    Int32(1),
+                    op="add",
+                    dtype=cutlass.Int32,
+                    sem="release",
+                    scope="gpu",
+                )
 
     @cute.jit
     def _store_full_tma(self, expert: Int32, m_block: Int32, n_block: Int32):

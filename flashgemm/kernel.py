@@ -53,8 +53,10 @@ class MaskedGroupedGemmSm90:
     epilogue, so loads overlap stores.
     """
 
-    def __init__(self, config: GemmConfig, ab_dtype, out_dtype):
+    def __init__(self, config: GemmConfig, ab_dtype, out_dtype, signal_mode=None):
+        """signal_mode: None, "m_block" or "expert" (see ``signals.py``)."""
         self.config = config
+        self.signal_mode = signal_mode
         self.ab_dtype = ab_dtype
         self.out_dtype = out_dtype
         self.acc_dtype = cutlass.Float32
@@ -94,6 +96,7 @@ class MaskedGroupedGemmSm90:
         mB: cute.Tensor,  # (E, N, K), K contiguous
         mD: cute.Tensor,  # (E, max_m, N), N contiguous
         mMaskedM: cute.Tensor,  # (E,) int32
+        mSignals: cute.Tensor,  # int32 counters (unused when signal_mode is None)
         num_ctas: Int32,
         stream,
     ):
@@ -151,6 +154,7 @@ class MaskedGroupedGemmSm90:
             mD_tma,
             mD_mnl,
             mMaskedM,
+            mSignals,
             self.tiled_mma,
             self.a_smem_layout,
             self.b_smem_layout,
@@ -174,6 +178,7 @@ class MaskedGroupedGemmSm90:
         mD_tma: cute.Tensor,
         mD_mnl: cute.Tensor,
         mMaskedM: cute.Tensor,
+        mSignals: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
@@ -296,7 +301,10 @@ class MaskedGroupedGemmSm90:
                 self.epi_tile,
                 self.out_dtype,
                 consumer_tidx,
-                warp_idx == 4,
+                # One thread issues the bulk stores, owns their bulk groups
+                # and publishes signals (a whole warp would issue each store
+                # 32 times: PTX bulk copies are per-thread).
+                consumer_tidx == 0,
                 pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads),
                 self.num_consumer_threads,
             )
@@ -308,12 +316,28 @@ class MaskedGroupedGemmSm90:
             work = sched.work()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            signals = self.signal_mode is not None
+            num_m_slots = (max_m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
+            pending = Int32(-1)  # counter of the last finished tile, not yet published
             while work.is_valid:
+                publish = None
+                if cutlass.const_expr(signals):
+                    publish = lambda: epi.publish(pending, mSignals)  # noqa: E731
                 read_state, release_state = consume_tile(
                     ab_pipeline, read_state, release_state, tiled_mma, accumulators,
-                    tCrA, tCrB, k_tile_cnt,
+                    tCrA, tCrB, k_tile_cnt, publish,
                 )
-                epi.store(work.expert, work.m_block, work.n_block, work.valid_rows, n_total)
+                epi.store(
+                    work.expert, work.m_block, work.n_block, work.valid_rows, n_total, signals
+                )
+                if cutlass.const_expr(signals):
+                    index = work.expert
+                    if cutlass.const_expr(self.signal_mode == "m_block"):
+                        index = work.expert * num_m_slots + work.m_block
+                    # a cluster's tile past N computed nothing real: no signal
+                    pending = cutlass.select_(work.n_block < num_n_blocks, index, Int32(-1))
                 sched.advance()
                 work = sched.work()
+            if cutlass.const_expr(signals):
+                epi.publish(pending, mSignals)
             epi.tail()

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from .config import GemmConfig, choose_config
+from .signals import SignalLayout, make_signal_layout, validate_signals
 
 _AB_DTYPES = (torch.bfloat16,)
 _TMA_ALIGN = 16  # bytes: TMA base address and stride granularity
@@ -53,8 +54,7 @@ def _check_tma_operand(name: str, t: torch.Tensor, inner: str) -> tuple[int, int
     for dim in (0, 1, 2):
         if shape[dim] > _MAX_DIM:
             raise ValueError(f"{name}.shape[{dim}] = {shape[dim]} exceeds {_MAX_DIM}")
-    last = (shape[0] - 1) * stride[0] + (shape[1] - 1) * stride[1] + shape[2] - 1
-    return ptr, ptr + (last + 1) * es
+    return _byte_span_3d(t)
 
 
 def _check_no_self_overlap(name: str, t: torch.Tensor) -> None:
@@ -71,6 +71,17 @@ def _check_no_self_overlap(name: str, t: torch.Tensor) -> None:
                 f"for shape {tuple(t.shape)})"
             )
         extent = st * sz
+
+
+def _span_1d(t: torch.Tensor) -> tuple[int, int]:
+    ptr = t.data_ptr()
+    return ptr, ptr + ((t.shape[0] - 1) * t.stride(0) + 1) * t.element_size()
+
+
+def _byte_span_3d(t: torch.Tensor) -> tuple[int, int]:
+    ptr, st, sh = t.data_ptr(), t.stride(), t.shape
+    last = sum((sz - 1) * s_ for sz, s_ in zip(sh, st))
+    return ptr, ptr + (last + 1) * t.element_size()
 
 
 def _overlaps(x: tuple[int, int], y: tuple[int, int]) -> bool:
@@ -111,9 +122,7 @@ def validate_args(a, b, out, masked_m) -> tuple[int, int, int, int]:
     if out is not None:
         span_out = _check_tma_operand("out", out, "N")
         _check_no_self_overlap("out", out)
-        mm_ptr = masked_m.data_ptr()
-        span_mm = (mm_ptr, mm_ptr + 4 * ((e_count - 1) * masked_m.stride(0) + 1))
-        for other_name, span in (("a", span_a), ("b", span_b), ("masked_m", span_mm)):
+        for other_name, span in (("a", span_a), ("b", span_b), ("masked_m", _span_1d(masked_m))):
             if _overlaps(span_out, span):
                 raise ValueError(f"out must not overlap {other_name} in memory")
     return e_count, max_m, n, k
@@ -167,6 +176,43 @@ def _validated(config: GemmConfig) -> GemmConfig:
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
+@functools.lru_cache(maxsize=None)
+def _unused_signals(index: int) -> torch.Tensor:
+    # the compiled signature always takes a counter tensor; without signals
+    # the kernel never touches this one
+    return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
+
+
+def _resolve_config(config, expected_m, max_m, n, k, grid_cap) -> GemmConfig:
+    if expected_m is not None:
+        if isinstance(expected_m, bool) or not isinstance(expected_m, int):
+            raise TypeError(f"expected_m must be an int or None, got {type(expected_m).__name__}")
+        if expected_m < 0:
+            raise ValueError(f"expected_m must be >= 0, got {expected_m}")
+    if config is None:
+        return choose_config(expected_m, max_m, n, k, grid_cap)
+    if not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(config).__name__}")
+    return _validated(config)
+
+
+def signal_layout(
+    num_experts: int,
+    max_m: int,
+    n: int,
+    k: int,
+    *,
+    expected_m: Optional[int] = None,
+    num_sms: Optional[int] = None,
+    config: Optional[GemmConfig] = None,
+    signal_granularity: str = "m_block",
+) -> SignalLayout:
+    """The signal layout a call with these arguments will use, known before launch
+    (so a combine kernel can be set up first). ``num_sms`` as passed to the call."""
+    cfg = _resolve_config(config, expected_m, max_m, n, k, num_sms if num_sms else 1 << 30)
+    return make_signal_layout(signal_granularity, max_m, n, cfg.tile_m, cfg.tile_n, num_experts)
+
+
 def grouped_gemm_nt_masked(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -176,7 +222,9 @@ def grouped_gemm_nt_masked(
     expected_m: Optional[int] = None,
     num_sms: Optional[int] = None,
     config: Optional[GemmConfig] = None,
-) -> torch.Tensor:
+    dst_signals: Optional[torch.Tensor] = None,
+    signal_granularity: str = "m_block",
+):
     """``out[e, :m_e] = a[e, :m_e] @ b[e].T`` for every expert, m_e = clamp(masked_m[e], 0, max_m).
 
     a: [E, max_m, K] bf16, K contiguous. b: [E, N, K] bf16, K contiguous.
@@ -188,6 +236,11 @@ def grouped_gemm_nt_masked(
     expected_m: mean valid rows per expert (host hint for the configuration).
     num_sms: cap on the persistent grid, e.g. to leave SMs to a concurrent kernel.
     config: a :class:`GemmConfig` that overrides the heuristic.
+    dst_signals: int32 counters, zeroed by the caller, that receive a release
+    add per finished tile (see ``flashgemm.signals``); ``signal_granularity``
+    is "m_block" or "expert". With signals the call returns ``(out, layout)``,
+    the :class:`SignalLayout` used (the same ``signal_layout(...)`` gives
+    before the launch); without, it returns ``out``.
     """
     e_count, max_m, n, k = validate_args(a, b, out, masked_m)
     index = a.device.index if a.device.type == "cuda" else None
@@ -198,16 +251,17 @@ def grouped_gemm_nt_masked(
     grid_cap = validate_device(
         {"a": a, "b": b, "out": out, "masked_m": masked_m}, num_sms, capability, sm_count, name
     )
-    if expected_m is not None:
-        if isinstance(expected_m, bool) or not isinstance(expected_m, int):
-            raise TypeError(f"expected_m must be an int or None, got {type(expected_m).__name__}")
-        if expected_m < 0:
-            raise ValueError(f"expected_m must be >= 0, got {expected_m}")
-    if config is None:
-        config = choose_config(expected_m, max_m, n, k, grid_cap)
-    elif not isinstance(config, GemmConfig):
-        raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(config).__name__}")
-    _validated(config)
+    config = _resolve_config(config, expected_m, max_m, n, k, grid_cap)
+    layout = None
+    if dst_signals is not None:
+        layout = make_signal_layout(signal_granularity, max_m, n, config.tile_m, config.tile_n, e_count)
+        validate_signals(dst_signals, layout, a.device)
+        if _overlaps(_span_1d(dst_signals), _span_1d(masked_m)) or (
+            out is not None and _overlaps(_span_1d(dst_signals), _byte_span_3d(out))
+        ):
+            raise ValueError("dst_signals must not overlap out or masked_m in memory")
+    elif signal_granularity not in ("m_block", "expert"):
+        raise ValueError(f"signal_granularity must be 'm_block' or 'expert', got {signal_granularity!r}")
 
     if out is None:
         out = torch.empty((e_count, max_m, n), dtype=a.dtype, device=a.device)
@@ -221,11 +275,13 @@ def grouped_gemm_nt_masked(
 
     from .compile import get_kernel
 
-    fn = get_kernel(config, _DTYPE_NAMES[a.dtype], _DTYPE_NAMES[out.dtype])
+    mode = layout.granularity if layout is not None else None
+    fn = get_kernel(config, _DTYPE_NAMES[a.dtype], _DTYPE_NAMES[out.dtype], signal_mode=mode)
+    signals = dst_signals if dst_signals is not None else _unused_signals(index)
     if index == torch.cuda.current_device():
-        fn(a, b, out, masked_m, num_ctas)
+        fn(a, b, out, masked_m, signals, num_ctas)
     else:
         # launch on the tensors' GPU and its current stream, not the caller's device
         with torch.cuda.device(index):
-            fn(a, b, out, masked_m, num_ctas)
-    return out
+            fn(a, b, out, masked_m, signals, num_ctas)
+    return out if layout is None else (out, layout)

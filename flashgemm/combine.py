@@ -1,0 +1,125 @@
+"""Consumer side of the completion signals.
+
+* ``wait_signal``: a device helper for CuTe-DSL kernels: acquire-poll a counter
+  until it reaches a target, with exponential nanosleep back-off, giving up
+  after ``max_polls`` polls and raising a bit in an error word instead of
+  hanging the GPU.
+* ``MaskedCombineSm90``: the single-GPU stand-in for a DeepEP-style combine.
+  For each (expert, m-block) in order it waits until the m-block's counter
+  reaches ``n_tiles`` and then scatter-adds its valid rows into a token-major
+  fp32 output: ``combined[token_idx[e, r]] += weight[e, r] * out[e, r]``.
+  It runs concurrently with the GEMM, on the SMs the GEMM was told to leave
+  free (``num_sms``), which is the overlap the package exists for.
+
+Error word bits: 1 = a wait timed out, 2 = a routing entry named a token
+outside ``[0, T)`` (that row was skipped).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Int32
+from cutlass.experimental.primitives.nvvm_wrapper import nanosleep
+
+ERR_TIMEOUT = 1
+ERR_BAD_TOKEN = 2
+COMBINE_THREADS = 256
+
+
+@cute.jit
+def wait_signal(counter: cute.Pointer, target: Int32, max_polls: Int32, err: cute.Pointer) -> Boolean:
+    """Spin until ``*counter >= target`` (GPU-scope acquire). On timeout, OR
+    ERR_TIMEOUT into ``*err`` and return False. Every caller thread does its
+    own acquire, so its later loads are ordered after the producer's release."""
+    value = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
+    polls = Int32(0)
+    backoff = Int32(32)
+    while (value < target) & (polls < max_polls):
+        nanosleep(backoff)
+        backoff = cutlass.min(backoff * 2, Int32(2048))
+        polls = polls + 1
+        value = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
+    ok = value >= target
+    if not ok:
+        cute.arch.atomic_or(err, Int32(ERR_TIMEOUT))
+    return ok
+
+
+class MaskedCombineSm90:
+    """Signal-driven combine (reference quality: scalar loads, fp32 atomics).
+
+    One CTA of ``COMBINE_THREADS`` threads per unit (expert, m-block), units
+    taken round-robin in (expert, m-block) order, so the combine follows the
+    GEMM's expert-major order. Every thread polls the unit's counter itself.
+    """
+
+    def __init__(self, block_m: int):
+        self.block_m = block_m
+
+    @cute.jit
+    def __call__(
+        self,
+        mOut: cute.Tensor,  # (E, max_m, N) bf16: the GEMM output
+        mMaskedM: cute.Tensor,  # (E,) int32
+        mSignals: cute.Tensor,  # (E * num_m_slots,) int32, "m_block" layout
+        mTokenIdx: cute.Tensor,  # (E, max_m) int32
+        mWeight: cute.Tensor,  # (E, max_m) float32
+        mCombined: cute.Tensor,  # (T, N) float32, accumulated into
+        mErr: cute.Tensor,  # (1,) int32 error word
+        n_tiles: Int32,
+        max_polls: Int32,
+        num_ctas: Int32,
+        stream,
+    ):
+        self.kernel(mOut, mMaskedM, mSignals, mTokenIdx, mWeight, mCombined, mErr, n_tiles, max_polls).launch(
+            grid=[num_ctas, 1, 1], block=[COMBINE_THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mOut: cute.Tensor,
+        mMaskedM: cute.Tensor,
+        mSignals: cute.Tensor,
+        mTokenIdx: cute.Tensor,
+        mWeight: cute.Tensor,
+        mCombined: cute.Tensor,
+        mErr: cute.Tensor,
+        n_tiles: Int32,
+        max_polls: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        num_experts = cute.size(mOut, mode=[0])
+        max_m = cute.size(mOut, mode=[1])
+        n = cute.size(mOut, mode=[2])
+        num_tokens = cute.size(mCombined, mode=[0])
+        num_m_slots = (max_m + self.block_m - 1) // self.block_m
+        for unit in cutlass.range(bidx, num_experts * num_m_slots, gdim, unroll=1):
+            e = unit // num_m_slots
+            mb = unit - e * num_m_slots
+            m_e = cutlass.max(cutlass.min(Int32(mMaskedM[e]), max_m), Int32(0))
+            rows = cutlass.min(m_e - mb * self.block_m, Int32(self.block_m))
+            if rows > 0:
+                if wait_signal(mSignals.iterator + unit, n_tiles, max_polls, mErr.iterator):
+                    row0 = mb * self.block_m
+                    for i in cutlass.range(tidx, rows * n, COMBINE_THREADS, unroll=1):
+                        r = i // n
+                        c = i - r * n
+                        token = Int32(mTokenIdx[e, row0 + r])
+                        if (token >= 0) & (token < num_tokens):
+                            val = cutlass.Float32(mOut[e, row0 + r, c]) * cutlass.Float32(
+                                mWeight[e, row0 + r]
+                            )
+                            cute.arch.red(
+                                mCombined.iterator + (token * n + c),
+                                val,
+                                op="add",
+                                dtype=cutlass.Float32,
+                                sem="relaxed",
+                                scope="gpu",
+                            )
+                        else:
+                            cute.arch.atomic_or(mErr.iterator, Int32(ERR_BAD_TOKEN))

@@ -1,0 +1,140 @@
+"""Torch-level overlap: the GEMM and a signal-driven combine on two streams.
+
+Co-residency rule (why this cannot deadlock): the GEMM waits on nothing, so it
+always finishes if its CTAs get SMs. The combine spins until tiles are ready,
+so its CTAs must never take the SMs the GEMM still needs: launch the GEMM with
+``num_sms = gemm_sms`` and the combine with at most ``sm_count - gemm_sms``
+CTAs (one GEMM CTA fills an SM's shared memory). ``run_gemm_and_combine``
+enforces this; the combine's bounded wait turns any violation into an error
+bit, not a hang.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .launcher import _device_facts, grouped_gemm_nt_masked
+from .signals import SignalLayout, alloc_signals
+
+DEFAULT_MAX_POLLS = 2_000_000  # with <= 2 us back-off: a few seconds before giving up
+
+
+def _check(name, t, dtype, shape):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def combine_masked(
+    out: torch.Tensor,
+    masked_m: torch.Tensor,
+    dst_signals: torch.Tensor,
+    layout: SignalLayout,
+    token_idx: torch.Tensor,
+    weight: torch.Tensor,
+    combined: torch.Tensor,
+    *,
+    num_sms: int,
+    max_polls: int = DEFAULT_MAX_POLLS,
+    err: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Launch the reference combine on the current stream; returns the int32
+    error word (see ``combine.py``), which the caller reads after a sync.
+
+    For every valid row r of expert e: ``combined[token_idx[e, r]] += weight[e, r] * out[e, r]``,
+    each m-block once its counter in ``dst_signals`` reaches ``layout.n_tiles``.
+    """
+    if not isinstance(layout, SignalLayout) or layout.granularity != "m_block":
+        raise ValueError("combine_masked needs the 'm_block' SignalLayout of the GEMM call")
+    if not isinstance(out, torch.Tensor) or out.dim() != 3:
+        raise ValueError("out must be the [E, max_m, N] GEMM output")
+    e_count, max_m, n = out.shape
+    _check("out", out, torch.bfloat16, (e_count, max_m, n))
+    _check("masked_m", masked_m, torch.int32, (e_count,))
+    _check("token_idx", token_idx, torch.int32, (e_count, max_m))
+    _check("weight", weight, torch.float32, (e_count, max_m))
+    if not isinstance(combined, torch.Tensor) or combined.dim() != 2:
+        raise ValueError("combined must be a [T, N] float32 tensor")
+    _check("combined", combined, torch.float32, (combined.shape[0], n))
+    if dst_signals.dtype != torch.int32 or dst_signals.numel() < layout.size:
+        raise ValueError(f"dst_signals must be int32 with at least {layout.size} entries")
+    if err is None:
+        err = torch.zeros(1, dtype=torch.int32, device=out.device)
+    _check("err", err, torch.int32, (1,))
+    for name, t in (("masked_m", masked_m), ("dst_signals", dst_signals), ("token_idx", token_idx),
+                    ("weight", weight), ("combined", combined), ("err", err)):
+        if t.device != out.device:
+            raise ValueError(f"{name} is on {t.device} but out is on {out.device}")
+    if out.device.type != "cuda":
+        raise ValueError(f"out must be on a CUDA device, got {out.device}")
+    sm_count = _device_facts(out.device.index)[1]
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 1 <= num_sms <= sm_count:
+        raise ValueError(f"num_sms must be an int in [1, {sm_count}], got {num_sms!r}")
+    if not isinstance(max_polls, int) or max_polls < 1:
+        raise ValueError(f"max_polls must be a positive int, got {max_polls!r}")
+
+    from .compile import get_combine_kernel
+
+    fn = get_combine_kernel(layout.block_m)
+    fn(out, masked_m, dst_signals, token_idx, weight, combined, err, layout.n_tiles, max_polls, num_sms)
+    return err
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
+
+
+def run_gemm_and_combine(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    masked_m: torch.Tensor,
+    token_idx: torch.Tensor,
+    weight: torch.Tensor,
+    combined: torch.Tensor,
+    *,
+    gemm_sms: int,
+    combine_sms: Optional[int] = None,
+    expected_m: Optional[int] = None,
+    config=None,
+    out: Optional[torch.Tensor] = None,
+    max_polls: int = DEFAULT_MAX_POLLS,
+):
+    """An MoE layer's GEMM with its combine overlapped: the combine starts on a
+    side stream and ships each m-block as soon as the GEMM signals it.
+    Returns (out, err); both streams are joined into the current one."""
+    sm_count = _device_facts(a.device.index)[1]
+    if combine_sms is None:
+        combine_sms = sm_count - gemm_sms
+    if not 1 <= gemm_sms < sm_count or not 1 <= combine_sms <= sm_count - gemm_sms:
+        raise ValueError(
+            f"need gemm_sms + combine_sms <= {sm_count} (co-residency), got {gemm_sms} + {combine_sms}"
+        )
+    e_count, max_m, _ = a.shape
+    from .launcher import signal_layout
+
+    layout = signal_layout(e_count, max_m, b.shape[1], a.shape[2], expected_m=expected_m,
+                           num_sms=gemm_sms, config=config)
+    signals = alloc_signals(layout, a.device)
+    if out is None:
+        out = torch.empty((e_count, max_m, b.shape[1]), dtype=a.dtype, device=a.device)
+    main = torch.cuda.current_stream(a.device)
+    side = _side_stream(a.device.index)
+    side.wait_stream(main)  # inputs and zeroed counters are ready
+    with torch.cuda.stream(side):
+        err = combine_masked(out, masked_m, signals, layout, token_idx, weight, combined,
+                             num_sms=combine_sms, max_polls=max_polls)
+    grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=expected_m, num_sms=gemm_sms,
+                           config=config, dst_signals=signals)
+    main.wait_stream(side)
+    for t in (out, signals, combined, err, token_idx, weight):
+        t.record_stream(side)
+    return out, err
