@@ -20,11 +20,20 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
 from cutlass.experimental.primitives.nvvm_wrapper import nanosleep
+
+def _F32X4():
+    return ir.VectorType.get([4], ir.F32Type.get())
+
 
 ERR_TIMEOUT = 1
 ERR_BAD_TOKEN = 2
-COMBINE_THREADS = 256
+# One CTA per SM it is given (more would land on the GEMM's SMs), so it is
+# made as wide as a CTA can be: 1024 threads, each moving 16-byte chunks.
+COMBINE_THREADS = 1024
+CHUNK = 8  # bf16 elements per 16-byte load
 
 
 @cute.jit
@@ -47,11 +56,13 @@ def wait_signal(counter: cute.Pointer, target: Int32, max_polls: Int32, err: cut
 
 
 class MaskedCombineSm90:
-    """Signal-driven combine (reference quality: scalar loads, fp32 atomics).
+    """Signal-driven combine (reference quality: fp32 atomics into the output).
 
     One CTA of ``COMBINE_THREADS`` threads per unit (expert, m-block), units
     taken round-robin in (expert, m-block) order, so the combine follows the
-    GEMM's expert-major order. Every thread polls the unit's counter itself.
+    GEMM's expert-major order. Every thread polls the unit's counter itself
+    (one acquire each, so no reasoning about barrier cumulativity is needed),
+    then moves 16-byte chunks of the m-block's valid rows.
     """
 
     def __init__(self, block_m: int):
@@ -105,21 +116,27 @@ class MaskedCombineSm90:
             if rows > 0:
                 if wait_signal(mSignals.iterator + unit, n_tiles, max_polls, mErr.iterator):
                     row0 = mb * self.block_m
-                    for i in cutlass.range(tidx, rows * n, COMBINE_THREADS, unroll=1):
-                        r = i // n
-                        c = i - r * n
+                    chunks = n // CHUNK
+                    frag = cute.make_rmem_tensor((CHUNK,), mOut.element_type)
+                    for i in cutlass.range(tidx, rows * chunks, COMBINE_THREADS, unroll=1):
+                        r = i // chunks
+                        c = i - r * chunks
                         token = Int32(mTokenIdx[e, row0 + r])
                         if (token >= 0) & (token < num_tokens):
-                            val = cutlass.Float32(mOut[e, row0 + r, c]) * cutlass.Float32(
-                                mWeight[e, row0 + r]
-                            )
-                            cute.arch.red(
-                                mCombined.iterator + (token * n + c),
-                                val,
-                                op="add",
-                                dtype=cutlass.Float32,
-                                sem="relaxed",
-                                scope="gpu",
-                            )
+                            w = cutlass.Float32(mWeight[e, row0 + r])
+                            src = cute.local_tile(mOut[e, row0 + r, None], (CHUNK,), (c,))
+                            cute.autovec_copy(src, frag)
+                            vals = frag.load().to(cutlass.Float32) * w
+                            base = mCombined.iterator + (token * n + c * CHUNK)
+                            # red.global.add.v4.f32 (sm_90): 4x fewer atomics
+                            # than scalar adds
+                            for q in cutlass.range_constexpr(CHUNK // 4):
+                                v4 = vector.from_elements(
+                                    _F32X4(), [vals[4 * q + j].ir_value() for j in range(4)]
+                                )
+                                cute.arch.red(
+                                    base + 4 * q, v4, op="add", dtype=cutlass.Float32,
+                                    sem="relaxed", scope="gpu",
+                                )
                         else:
                             cute.arch.atomic_or(mErr.iterator, Int32(ERR_BAD_TOKEN))

@@ -165,8 +165,47 @@ def get_kernel(
     return fn
 
 
+def build_combine(block_m: int, arch: Optional[str] = None, keep_ptx: bool = False):
+    """Compile the reference combine (``combine.MaskedCombineSm90``), no caching."""
+    ensure_arch_env(arch)
+    import cutlass
+    import cutlass.cute as cute
+
+    from .combine import MaskedCombineSm90
+
+    global compile_count
+    # N is a multiple of 8 (validated): rows of out are 16-byte aligned
+    e, m, t = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    n = cute.sym_int(divisibility=8)
+    fake = cute.runtime.make_fake_compact_tensor
+
+    def row_major(dt, shape, align=4):
+        return fake(dt, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align)
+
+    options = "--enable-tvm-ffi"
+    if keep_ptx:
+        options += f" --keep-ptx --dump-dir {tempfile.gettempdir()}"
+    fn = cute.compile(
+        MaskedCombineSm90(block_m),
+        row_major(cutlass.BFloat16, (e, m, n), 16),
+        fake(cutlass.Int32, (e,), assumed_align=4),
+        fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4),
+        row_major(cutlass.Int32, (e, m)),
+        row_major(cutlass.Float32, (e, m)),
+        row_major(cutlass.Float32, (t, n)),
+        fake(cutlass.Int32, (1,), assumed_align=4),
+        cutlass.Int32(1),
+        cutlass.Int32(1),
+        cutlass.Int32(1),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=options,
+    )
+    compile_count += 1
+    return fn
+
+
 def get_combine_kernel(block_m: int, arch: Optional[str] = None):
-    """The compiled reference combine (``combine.MaskedCombineSm90``), cached."""
+    """The compiled reference combine, cached like the GEMMs."""
     arch = arch or default_arch()
     key = (*_versions(), arch, "combine", block_m)
     fn = _cache.get(key)
@@ -175,31 +214,6 @@ def get_combine_kernel(block_m: int, arch: Optional[str] = None):
     with _lock:
         fn = _cache.get(key)
         if fn is None:
-            ensure_arch_env(arch)
-            import cutlass
-            import cutlass.cute as cute
-
-            from .combine import MaskedCombineSm90
-
-            global compile_count
-            e, m, n, t = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-            fake = cute.runtime.make_fake_compact_tensor
-            row_major = lambda dt, shape: fake(dt, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=4)  # noqa: E731
-            fn = cute.compile(
-                MaskedCombineSm90(block_m),
-                row_major(cutlass.BFloat16, (e, m, n)),
-                fake(cutlass.Int32, (e,), assumed_align=4),
-                fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4),
-                row_major(cutlass.Int32, (e, m)),
-                row_major(cutlass.Float32, (e, m)),
-                row_major(cutlass.Float32, (t, n)),
-                fake(cutlass.Int32, (1,), assumed_align=4),
-                cutlass.Int32(1),
-                cutlass.Int32(1),
-                cutlass.Int32(1),
-                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-                options="--enable-tvm-ffi",
-            )
-            compile_count += 1
+            fn = build_combine(block_m, arch)
             _cache[key] = fn
     return fn

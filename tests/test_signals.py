@@ -84,3 +84,12 @@ def test_ptx_publishes_with_release(mode):
     assert "fence.proxy.async.global" in ptx and "fence.acq_rel.gpu" in ptx
     plain = fg_compile.build(MID_CONFIG, arch="sm_90a", keep_ptx=True).__ptx__
     assert "red.release.gpu" not in plain
+
+
+def test_combine_ptx_polls_with_acquire_and_backoff():
+    ptx = fg_compile.build_combine(64, "sm_90a", keep_ptx=True).__ptx__
+    assert "ld.acquire.gpu.global.b32" in ptx  # the wait's poll
+    assert "nanosleep" in ptx  # back-off between polls
+    assert "atom.global.or.b32" in ptx  # timeout / bad-token error bits
+    assert "ld.global.v4" in ptx  # 16-byte loads of the GEMM output rows
+    assert "red.relaxed.gpu.global.add.v4.f32" in ptx  # 4 floats per atomic

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Cost of completion signals, and the gain from overlapping GEMM and combine.
+
+(a) the same GEMM with and without dst_signals (all SMs, CUDA-graph timing);
+(b) GEMM on `gemm_sms` SMs and the reference combine on the rest: each alone,
+    both sequential on one stream, and overlapped on two streams.
+
+    python scripts/bench_overlap.py [--cases ...] [--combine-sms 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+import flashgemm  # noqa: E402
+from bench import CASES_FILE, draw_masked_m, time_fn, time_graph  # noqa: E402
+from flashgemm.overlap import combine_masked, run_gemm_and_combine  # noqa: E402
+
+
+def run_case(case, seed, combine_sms, reps):
+    e_count, max_m, n, k, em = case["E"], case["max_m"], case["N"], case["K"], case["expected_m"]
+    torch.manual_seed(seed)
+    a = torch.randn(e_count, max_m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(e_count, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    masked_m = draw_masked_m(case, seed).cuda()
+    out = torch.empty(e_count, max_m, n, device="cuda", dtype=torch.bfloat16)
+    num_tokens = 128 * 8  # a rank's tokens; top-k routing spreads rows over them
+    token_idx = torch.randint(0, num_tokens, (e_count, max_m), dtype=torch.int32, device="cuda")
+    weight = torch.rand(e_count, max_m, device="cuda")
+    combined = torch.zeros(num_tokens, n, device="cuda")
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    gemm_sms = sm_count - combine_sms
+
+    layout_full = flashgemm.signal_layout(e_count, max_m, n, k, expected_m=em)
+    sig_full = flashgemm.alloc_signals(layout_full, "cuda")
+    r = {"case": case["name"]}
+    r["gemm_us"] = 1e3 * time_graph(
+        lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em), reps=reps
+    )
+
+    def gemm_with_signals(sig, layout, sms):
+        sig.zero_()
+        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em, num_sms=sms, dst_signals=sig)
+
+    r["gemm_signals_us"] = 1e3 * time_graph(lambda: gemm_with_signals(sig_full, layout_full, None), reps=reps)
+    # the same memset alone, to separate it from the in-kernel cost
+    r["memset_us"] = 1e3 * time_graph(lambda: sig_full.zero_(), reps=reps)
+
+    layout = flashgemm.signal_layout(e_count, max_m, n, k, expected_m=em, num_sms=gemm_sms)
+    sig = flashgemm.alloc_signals(layout, "cuda")
+    r["gemm_split_us"] = 1e3 * time_fn(lambda: gemm_with_signals(sig, layout, gemm_sms), reps=reps)
+    # combine alone: counters already final (the last GEMM above completed them)
+    r["combine_split_us"] = 1e3 * time_fn(
+        lambda: combine_masked(out, masked_m, sig, layout, token_idx, weight, combined, num_sms=combine_sms),
+        reps=reps,
+    )
+
+    def sequential():
+        gemm_with_signals(sig, layout, gemm_sms)
+        combine_masked(out, masked_m, sig, layout, token_idx, weight, combined, num_sms=combine_sms)
+
+    r["sequential_us"] = 1e3 * time_fn(sequential, reps=reps)
+    r["overlapped_us"] = 1e3 * time_fn(
+        lambda: run_gemm_and_combine(a, b, masked_m, token_idx, weight, combined, gemm_sms=gemm_sms,
+                                     combine_sms=combine_sms, expected_m=em, out=out),
+        reps=reps,
+    )
+    r["signal_overhead_pct"] = 100 * (r["gemm_signals_us"] - r["memset_us"] - r["gemm_us"]) / r["gemm_us"]
+    r["overlap_vs_longer"] = r["overlapped_us"] / max(r["gemm_split_us"], r["combine_split_us"])
+    return r
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", nargs="*")
+    p.add_argument("--combine-sms", type=int, default=20)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--json")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_overlap.py needs a CUDA GPU")
+    spec = json.load(open(CASES_FILE))
+    cases = [c for c in spec["cases"] if c["regime"] == "decode" and (not args.cases or c["name"] in args.cases)]
+    rows = [run_case(c, i, args.combine_sms, args.reps) for i, c in enumerate(cases)]
+    print(f"Device: {torch.cuda.get_device_name()}; combine on {args.combine_sms} SMs, GEMM on the rest")
+    print("| case | GEMM us | + signals us | memset us | signal cost | GEMM split us | combine split us "
+          "| sequential us | overlapped us | overlapped / longer alone |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['gemm_us']:.1f} | {r['gemm_signals_us']:.1f} | {r['memset_us']:.1f} | "
+              f"{r['signal_overhead_pct']:+.1f}% | {r['gemm_split_us']:.1f} | {r['combine_split_us']:.1f} | "
+              f"{r['sequential_us']:.1f} | {r['overlapped_us']:.1f} | {r['overlap_vs_longer']:.2f}x |")
+    if args.json:
+        json.dump(rows, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
