@@ -29,7 +29,7 @@ class GemmConfig:
     cluster_m / cluster_n: CTA cluster shape. cluster_n=2 pairs CTAs on
         adjacent n-blocks of one m-block; each loads half of the A tile and
         TMA-multicasts it to both, halving A's L2 reads (cluster_m is 1).
-    consumer_warpgroups: wgmma warpgroups; each owns 64 rows of the tile.
+    consumer_warpgroups: wgmma warpgroups (1-3); each owns 64 rows of the tile.
     l2_hints: TMA loads of the weights (read once) evict-first, of the
         activations (re-read by every n-block) evict-last.
     """
@@ -86,9 +86,15 @@ class GemmConfig:
 
     def validate(self, elem_bytes: int = 2, out_elem_bytes: int = 2) -> "GemmConfig":
         """Raise ValueError naming the field if this config cannot be built."""
-        if self.consumer_warpgroups not in (1, 2):
+        if self.consumer_warpgroups not in (1, 2, 3):
             raise ValueError(
-                f"config.consumer_warpgroups must be 1 or 2, got {self.consumer_warpgroups}"
+                f"config.consumer_warpgroups must be 1, 2 or 3, got {self.consumer_warpgroups}"
+            )
+        if self.consumer_warpgroups == 3 and self.tile_n > 128:
+            # 512 threads share 64K registers: 152 per consumer thread, of
+            # which tile_n / 2 hold accumulators
+            raise ValueError(
+                f"config.tile_n must be <= 128 with 3 consumer warpgroups, got {self.tile_n}"
             )
         if self.tile_m != 64 * self.consumer_warpgroups:
             raise ValueError(
@@ -130,13 +136,17 @@ class GemmConfig:
 
 
 # Decode: a few rows per expert, the weights stream once, so the tile is as
-# short in M as wgmma allows (64). Mid and prefill: two consumer warpgroups
-# sharing each B tile halve its shared-memory traffic per FLOP. All three pair
-# CTAs along N to multicast A (1-4% faster in every case of the sweep).
+# short in M as wgmma allows (64) while every expert fits one m-block; when
+# m_e (expected_m +-30%) can pass 64 a 128-row tile avoids a second, nearly
+# empty m-block, and 64 columns keep enough tiles to fill the SMs. Mid and
+# prefill: two consumer warpgroups sharing each B tile halve its
+# shared-memory traffic per FLOP. All pair CTAs along N to multicast A
+# (1-4% faster in every case of the sweep).
 DECODE_CONFIG = GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, cluster_n=2)
+DECODE_128_CONFIG = GemmConfig(tile_m=128, tile_n=64, consumer_warpgroups=2, cluster_n=2)
 MID_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n=2)
 PREFILL_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, cluster_n=2)
-_REGIME_CONFIGS = (DECODE_CONFIG, MID_CONFIG, PREFILL_CONFIG)
+_REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_CONFIG, PREFILL_CONFIG)
 
 HEURISTIC_CONFIGS: tuple[GemmConfig, ...] = _REGIME_CONFIGS + tuple(
     dataclasses.replace(c, cluster_n=1) for c in _REGIME_CONFIGS  # for num_sms == 1
@@ -149,17 +159,20 @@ def choose_config(
     """Pick a configuration from host-side facts only (never reads masked_m).
 
     From the config sweeps of scripts/bench.py on H100 (2026-11-22, CUDA-graph
-    timings, docs/benchmarks.md): at expected_m 32-64 a 64-row tile wins
-    (dsv3-ep8 gate_up 664 us vs 691 us for 128 rows, qwen3-30b 44.9 vs 50.8);
-    at expected_m 128, where most experts spill into a second 64-row block,
-    128 rows win (dsv3-ep32 gate_up 195 vs 226 us); at expected_m 1024,
-    tile_n 256 wins (dsv3-prefill gate_up 435 vs 457 us for tile_n 128).
-    tile_n 64/192 and 1-CTA variants were within 1-5% and never consistently
-    ahead.
+    timings, docs/benchmarks.md):
+    * expected_m 32: 64x128 tiles (dsv3-ep8 gate_up 664 us vs 691 us for 128x128);
+    * expected_m 64 (m_e 44..83): 128x64 (qwen3-235b-ep8 gate_up 155.9 vs 172.2 us
+      for 64x128, down 81.8 vs 86.7; qwen3-30b 46.3 vs 45.4, a 2% loss);
+    * expected_m 128 (m_e 89..166): 128x128 (dsv3-ep32 gate_up 198.5 us vs 208.5
+      for 128x64 and 239.1 for 64x128; 192x128 with three consumer warpgroups won
+      gate_up, 188.1, but lost down, 129.5 vs 113.5, so it is not chosen);
+    * expected_m 1024: 128x256 (dsv3-prefill gate_up 435 vs 457 us for 128x128).
     """
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
-    if m <= 64:
+    if m <= 48:
         cfg = DECODE_CONFIG
+    elif m <= 96:
+        cfg = DECODE_128_CONFIG
     elif m <= 256:
         cfg = MID_CONFIG
     else:

@@ -20,11 +20,22 @@ from .scheduler import MaskedTileScheduler
 # Register split (setmaxnreg): the producer warpgroup only walks the scheduler
 # and issues TMA; the consumers hold up to 128 fp32 accumulators per thread.
 PRODUCER_REGS = 40
+
+
+def consumer_regs(num_consumer_wg: int) -> int:
+    """Registers per consumer thread: the SM's 64K registers split over the
+    warpgroups, less the producer's share, in setmaxnreg's multiples of 8,
+    at most 232 (2 consumers: 232; 3 consumers: 152)."""
+    warpgroups = num_consumer_wg + 1
+    avg = 65536 // (128 * warpgroups)
+    per_consumer = (avg * warpgroups - PRODUCER_REGS) // num_consumer_wg
+    return min(232, per_consumer // 8 * 8)
+
+
 # L2 cache-policy descriptors for TMA loads (the createpolicy encodings that
 # CUTLASS's CacheHintSm90 uses).
 L2_EVICT_FIRST = 0x12F0000000000000
 L2_EVICT_LAST = 0x14F0000000000000
-CONSUMER_REGS = 232
 
 
 def _batch_last(t: cute.Tensor) -> cute.Tensor:
@@ -279,7 +290,7 @@ class MaskedGroupedGemmSm90:
                 # keep the CTA alive until the consumers released every slot
                 ab_pipeline.producer_tail(producer_state)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(consumer_regs(self.num_consumer_wg))
             consumer_tidx = tidx - 128
             thr_mma = tiled_mma.get_slice(consumer_tidx)
             tCsA = thr_mma.partition_A(sA)

@@ -139,6 +139,8 @@ def run_case(case, seed, reps, host=False, sweep=False):
             GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=1),
             GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2, cluster_n=2),
             GemmConfig(tile_m=128, tile_n=64, consumer_warpgroups=2, cluster_n=2),
+            GemmConfig(tile_m=192, tile_n=128, consumer_warpgroups=3, cluster_n=2),
+            GemmConfig(tile_m=192, tile_n=64, consumer_warpgroups=3, cluster_n=2),
         ]
         for cfg in variants:
             results[f"cfg:{cfg.short_name()}"] = time_graph(

@@ -66,6 +66,8 @@ CONFIGS = HEURISTIC_CONFIGS + (
     GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=3),
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, l2_hints=True),
     GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2),
+    GemmConfig(tile_m=192, tile_n=128, consumer_warpgroups=3, cluster_n=2),
+    GemmConfig(tile_m=192, tile_n=64, consumer_warpgroups=3, cluster_n=1),
 )
 # (the heuristic's 2-CTA clusters share A by multicast; N=64/520/1032 give odd
 # n-block counts, where one CTA of a pair computes a tile past N and stores nothing)

@@ -1,0 +1,47 @@
+"""The heuristic and config facts (CPU only)."""
+
+import pytest
+
+from flashgemm.config import (
+    DECODE_128_CONFIG,
+    DECODE_CONFIG,
+    HEURISTIC_CONFIGS,
+    MID_CONFIG,
+    PREFILL_CONFIG,
+    GemmConfig,
+    choose_config,
+)
+
+
+@pytest.mark.parametrize(
+    "expected_m, want",
+    [(1, DECODE_CONFIG), (32, DECODE_CONFIG), (48, DECODE_CONFIG), (64, DECODE_128_CONFIG),
+     (96, DECODE_128_CONFIG), (128, MID_CONFIG), (256, MID_CONFIG), (1024, PREFILL_CONFIG)],
+)
+def test_heuristic_regimes(expected_m, want):
+    assert choose_config(expected_m, 4096, 4096, 7168, 132) == want
+
+
+def test_heuristic_is_host_only_and_bounded():
+    # no hint: assume every row is valid; the hint is clamped to max_m
+    assert choose_config(None, 64, 4096, 7168, 132) == choose_config(64, 64, 4096, 7168, 132)
+    assert choose_config(10**6, 100, 4096, 7168, 132) == choose_config(100, 100, 4096, 7168, 132)
+
+
+def test_one_sm_falls_back_to_single_cta_clusters():
+    for m in (1, 64, 128, 1024):
+        cfg = choose_config(m, 4096, 4096, 7168, 1)
+        assert cfg.cluster_n == 1 and cfg in HEURISTIC_CONFIGS
+
+
+def test_every_heuristic_config_is_valid_and_fits():
+    for cfg in HEURISTIC_CONFIGS:
+        cfg.validate()
+        assert cfg.resolved_stages() >= 4  # deep enough to keep weight loads in flight
+        assert cfg.smem_bytes() <= 232448
+
+
+def test_short_name_distinguishes_configs():
+    names = {c.short_name() for c in HEURISTIC_CONFIGS}
+    assert len(names) == len(HEURISTIC_CONFIGS)
+    assert GemmConfig(l2_hints=True).short_name() != GemmConfig().short_name()
