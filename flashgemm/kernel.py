@@ -13,7 +13,7 @@ from cutlass import Int32
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from .config import GemmConfig
-from .epilogue import TileEpilogue
+from .epilogue import TileEpilogue, TileStorer
 from .mainloop import consume_tile, produce_tile
 from .scheduler import MaskedTileScheduler
 
@@ -50,16 +50,22 @@ class MaskedGroupedGemmSm90:
 
     * warpgroup 0, warp 0: the **producer**. Walks the masked tile scheduler and
       issues TMA loads of A (tile_m x tile_k) and B (tile_n x tile_k) into the
-      ``stages``-deep shared-memory ring. Warps 1-3 only give back registers.
+      ``stages``-deep shared-memory ring.
+    * warpgroup 0, warp 1: the **store warp**. Walks the same schedule, issues
+      the bulk stores of the sub-tiles the consumers staged, and publishes
+      completion signals, so no wgmma warp waits on a store. Warps 2-3 only
+      give back registers.
       With ``cluster_n=2`` the two CTAs of a cluster work on adjacent n-blocks
       of one m-block and each multicasts half of the A tile to both.
     * warpgroups 1..W: the **consumers**. Each owns 64 rows of the tile,
       issues wgmma from the ring, then runs the epilogue (``TileEpilogue``) on
-      its accumulators.
+      its accumulators (``TileEpilogue``): staging full tiles in shared memory
+      for the store warp, or predicated stores for partial ones.
 
     Pipelines: ``PipelineTmaAsync`` (producer -> consumers, one full/empty
-    mbarrier pair per stage) for operands; ``PipelineTmaStore`` (bulk-store
-    groups of the one storing thread) for the output staging buffer. The
+    mbarrier pair per stage) for operands; named barrier 1 (consumers + store
+    warp, two crossings per staged sub-tile) for the 2-buffer output staging,
+    whose reuse the store warp guards with ``cp.async.bulk.wait_group.read``. The
     producer runs ahead into the next tile while the consumers are in the
     epilogue, so loads overlap stores.
     """
@@ -262,6 +268,13 @@ class MaskedGroupedGemmSm90:
         # waits on them or multicasts into a peer
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
 
+        # named barrier 1: the consumers and the store warp, around each
+        # staged sub-tile and each published partial tile
+        epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads + 32)
+        tile_mn = (self.tile_mnk[0], self.tile_mnk[1])
+        signals = self.signal_mode is not None
+        num_m_slots = (max_m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
+
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
@@ -289,6 +302,30 @@ class MaskedGroupedGemmSm90:
                     work = sched.work()
                 # keep the CTA alive until the consumers released every slot
                 ab_pipeline.producer_tail(producer_state)
+            if warp_idx == 1:
+                # the store warp: bulk stores and signals, off the wgmma warps
+                storer = TileStorer(
+                    sD, tma_atom_d, gD_tma, tile_mn, self.epi_tile,
+                    cute.arch.lane_idx() == 0, epi_barrier,
+                )
+                sched = MaskedTileScheduler.create(
+                    mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], bidx, gdim,
+                    self.cluster_n, cta_rank,
+                )
+                work = sched.work()
+                while work.is_valid:
+                    index = work.expert
+                    if cutlass.const_expr(self.signal_mode == "m_block"):
+                        index = work.expert * num_m_slots + work.m_block
+                    # a cluster's tile past N stores and signals nothing
+                    index = cutlass.select_(work.n_block < num_n_blocks, index, Int32(-1))
+                    storer.store(
+                        work.expert, work.m_block, work.n_block, work.valid_rows,
+                        index, mSignals, signals,
+                    )
+                    sched.advance()
+                    work = sched.work()
+                storer.tail()
         else:
             cute.arch.setmaxregister_increase(consumer_regs(self.num_consumer_wg))
             consumer_tidx = tidx - 128
@@ -300,26 +337,9 @@ class MaskedGroupedGemmSm90:
             acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_mnk, (None, None, 0)))
             accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-
             epi = TileEpilogue(
-                tiled_mma,
-                accumulators,
-                sD,
-                tma_atom_d,
-                gD_tma,
-                gD_mem,
-                (self.tile_mnk[0], self.tile_mnk[1]),
-                self.epi_tile,
-                self.out_dtype,
-                consumer_tidx,
-                # One thread issues the bulk stores, owns their bulk groups
-                # and publishes signals (a whole warp would issue each store
-                # 32 times: PTX bulk copies are per-thread).
-                consumer_tidx == 0,
-                pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads),
-                self.num_consumer_threads,
+                tiled_mma, accumulators, sD, gD_mem, tile_mn, self.out_dtype, consumer_tidx, epi_barrier
             )
-
             sched = MaskedTileScheduler.create(
                 mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], bidx, gdim,
                 self.cluster_n, cta_rank,
@@ -327,28 +347,13 @@ class MaskedGroupedGemmSm90:
             work = sched.work()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            signals = self.signal_mode is not None
-            num_m_slots = (max_m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
-            pending = Int32(-1)  # counter of the last finished tile, not yet published
             while work.is_valid:
-                publish = None
-                if cutlass.const_expr(signals):
-                    publish = lambda: epi.publish(pending, mSignals)  # noqa: E731
                 read_state, release_state = consume_tile(
                     ab_pipeline, read_state, release_state, tiled_mma, accumulators,
-                    tCrA, tCrB, k_tile_cnt, publish,
+                    tCrA, tCrB, k_tile_cnt,
                 )
                 epi.store(
                     work.expert, work.m_block, work.n_block, work.valid_rows, n_total, signals
                 )
-                if cutlass.const_expr(signals):
-                    index = work.expert
-                    if cutlass.const_expr(self.signal_mode == "m_block"):
-                        index = work.expert * num_m_slots + work.m_block
-                    # a cluster's tile past N computed nothing real: no signal
-                    pending = cutlass.select_(work.n_block < num_n_blocks, index, Int32(-1))
                 sched.advance()
                 work = sched.work()
-            if cutlass.const_expr(signals):
-                epi.publish(pending, mSignals)
-            epi.tail()

@@ -68,7 +68,6 @@ def consume_tile(
     tCrA: cute.Tensor,  # (MMA, MMA_M, MMA_K, stages) smem descriptors
     tCrB: cute.Tensor,  # (MMA, MMA_N, MMA_K, stages)
     k_tile_cnt: Int32,
-    after_first_k_tile=None,  # callback run once the first k-tile's wgmma is in flight
 ):
     """Accumulate one output tile over K; returns (read_state, release_state)."""
     num_k_blocks = cute.size(tCrA, mode=[2])
@@ -82,9 +81,6 @@ def consume_tile(
             coord = (None, None, k_block, read_state.index)
             cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
         cute.nvgpu.warpgroup.commit_group()
-        if cutlass.const_expr(after_first_k_tile is not None):
-            if k_tile == 0:
-                after_first_k_tile()
         # Keep one wgmma group in flight; the slot read by the group before it
         # is now free.
         cute.nvgpu.warpgroup.wait_group(1)
