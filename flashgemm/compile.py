@@ -12,11 +12,12 @@ torch's current stream.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
 import threading
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 from .config import GemmConfig
 
@@ -102,6 +103,19 @@ def _fake_args(ab_dtype, out_dtype):
     return a, b, d, masked_m, signals
 
 
+@contextlib.contextmanager
+def _compile_options(keep_ptx: bool):
+    """TVM-FFI compile options. With keep_ptx the DSL writes the PTX to a file
+    named after the function (the same name for every config) and reads it back
+    into ``__ptx__``: give each build a private directory, so concurrent builds
+    (two test runs, two processes) never read each other's PTX."""
+    if not keep_ptx:
+        yield "--enable-tvm-ffi"
+        return
+    with tempfile.TemporaryDirectory(prefix="flashgemm-ptx-") as dump_dir:
+        yield f"--enable-tvm-ffi --keep-ptx --dump-dir {dump_dir}"
+
+
 def build(
     config: GemmConfig,
     ab_dtype: str = "bf16",
@@ -125,21 +139,18 @@ def build(
     config.validate(ab_t.width // 8, out_t.width // 8)
     gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, signal_mode)
     a, b, d, masked_m, signals = _fake_args(ab_t, out_t)
-    options = "--enable-tvm-ffi"
-    if keep_ptx:
-        # the DSL also writes the PTX to a file: keep it out of the caller's cwd
-        options += f" --keep-ptx --dump-dir {tempfile.gettempdir()}"
-    fn = cute.compile(
-        gemm,
-        a,
-        b,
-        d,
-        masked_m,
-        signals,
-        cutlass.Int32(1),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-        options=options,
-    )
+    with _compile_options(keep_ptx) as options:
+        fn = cute.compile(
+            gemm,
+            a,
+            b,
+            d,
+            masked_m,
+            signals,
+            cutlass.Int32(1),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=options,
+        )
     compile_count += 1
     return fn
 
@@ -154,13 +165,18 @@ def get_kernel(
     """The cached compiled kernel for this key (compiled on first use, once per process)."""
     arch = arch or default_arch()
     key = cache_key(config, ab_dtype, out_dtype, arch, signal_mode)
-    fn = _cache.get(key)
+    return _cached(key, lambda: build(config, ab_dtype, out_dtype, arch, signal_mode=signal_mode))
+
+
+def _cached(key: tuple, compile_fn: Callable):
+    """In-process cache; two threads asking for one new key compile it once."""
+    fn = _cache.get(key)  # lock-free hit: the per-call path
     if fn is not None:
         return fn
     with _lock:
         fn = _cache.get(key)
         if fn is None:
-            fn = build(config, ab_dtype, out_dtype, arch, signal_mode=signal_mode)
+            fn = compile_fn()
             _cache[key] = fn
     return fn
 
@@ -182,24 +198,22 @@ def build_combine(block_m: int, arch: Optional[str] = None, keep_ptx: bool = Fal
     def row_major(dt, shape, align=4):
         return fake(dt, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align)
 
-    options = "--enable-tvm-ffi"
-    if keep_ptx:
-        options += f" --keep-ptx --dump-dir {tempfile.gettempdir()}"
-    fn = cute.compile(
-        MaskedCombineSm90(block_m),
-        row_major(cutlass.BFloat16, (e, m, n), 16),
-        fake(cutlass.Int32, (e,), assumed_align=4),
-        fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4),
-        row_major(cutlass.Int32, (e, m)),
-        row_major(cutlass.Float32, (e, m)),
-        row_major(cutlass.Float32, (t, n)),
-        fake(cutlass.Int32, (1,), assumed_align=4),
-        cutlass.Int32(1),
-        cutlass.Int32(1),
-        cutlass.Int32(1),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-        options=options,
-    )
+    with _compile_options(keep_ptx) as options:
+        fn = cute.compile(
+            MaskedCombineSm90(block_m),
+            row_major(cutlass.BFloat16, (e, m, n), 16),
+            fake(cutlass.Int32, (e,), assumed_align=4),
+            fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4),
+            row_major(cutlass.Int32, (e, m)),
+            row_major(cutlass.Float32, (e, m)),
+            row_major(cutlass.Float32, (t, n)),
+            fake(cutlass.Int32, (1,), assumed_align=4),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=options,
+        )
     compile_count += 1
     return fn
 
@@ -207,13 +221,4 @@ def build_combine(block_m: int, arch: Optional[str] = None, keep_ptx: bool = Fal
 def get_combine_kernel(block_m: int, arch: Optional[str] = None):
     """The compiled reference combine, cached like the GEMMs."""
     arch = arch or default_arch()
-    key = (*_versions(), arch, "combine", block_m)
-    fn = _cache.get(key)
-    if fn is not None:
-        return fn
-    with _lock:
-        fn = _cache.get(key)
-        if fn is None:
-            fn = build_combine(block_m, arch)
-            _cache[key] = fn
-    return fn
+    return _cached((*_versions(), arch, "combine", block_m), lambda: build_combine(block_m, arch))

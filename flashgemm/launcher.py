@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from .config import GemmConfig, choose_config
-from .signals import SignalLayout, make_signal_layout, validate_signals
+from .signals import GRANULARITIES, SignalLayout, make_signal_layout, validate_signals
 
 _AB_DTYPES = (torch.bfloat16,)
 _TMA_ALIGN = 16  # bytes: TMA base address and stride granularity
@@ -252,24 +252,27 @@ def grouped_gemm_nt_masked(
         {"a": a, "b": b, "out": out, "masked_m": masked_m}, num_sms, capability, sm_count, name
     )
     config = _resolve_config(config, expected_m, max_m, n, k, grid_cap)
+    cn = config.cluster_n
+    if grid_cap < cn:
+        raise ValueError(f"config.cluster_n={cn} needs num_sms >= {cn}, got {grid_cap}")
     layout = None
     if dst_signals is not None:
         layout = make_signal_layout(signal_granularity, max_m, n, config.tile_m, config.tile_n, e_count)
         validate_signals(dst_signals, layout, a.device)
-        if _overlaps(_span_1d(dst_signals), _span_1d(masked_m)) or (
-            out is not None and _overlaps(_span_1d(dst_signals), _byte_span_3d(out))
-        ):
-            raise ValueError("dst_signals must not overlap out or masked_m in memory")
-    elif signal_granularity not in ("m_block", "expert"):
-        raise ValueError(f"signal_granularity must be 'm_block' or 'expert', got {signal_granularity!r}")
+        span = _span_1d(dst_signals)
+        others = {"a": a, "b": b, "out": out}
+        for other_name, other in others.items():
+            if other is not None and _overlaps(span, _byte_span_3d(other)):
+                raise ValueError(f"dst_signals must not overlap {other_name} in memory")
+        if _overlaps(span, _span_1d(masked_m)):
+            raise ValueError("dst_signals must not overlap masked_m in memory")
+    elif signal_granularity not in GRANULARITIES:
+        raise ValueError(f"signal_granularity must be one of {GRANULARITIES}, got {signal_granularity!r}")
 
     if out is None:
         out = torch.empty((e_count, max_m, n), dtype=a.dtype, device=a.device)
     # Persistent grid: never more clusters than units of work could use.
-    cn = config.cluster_n
-    if grid_cap < cn:
-        raise ValueError(f"config.cluster_n={cn} needs num_sms >= {cn}, got {grid_cap}")
-    n_groups = -(-(-(-n // config.tile_n)) // cn)
+    n_groups = -(-(-(-n // config.tile_n)) // cn)  # ceil(ceil(N / tile_n) / cluster_n)
     max_units = e_count * -(-max_m // config.tile_m) * n_groups
     num_ctas = cn * max(1, min(grid_cap // cn, max_units))
 
