@@ -5,9 +5,10 @@
   after ``max_polls`` polls and raising a bit in an error word instead of
   hanging the GPU.
 * ``MaskedCombineSm90``: the single-GPU stand-in for a DeepEP-style combine.
-  For each (expert, m-block) in order it waits until the m-block's counter
-  reaches ``n_tiles`` and then scatter-adds its valid rows into a token-major
-  fp32 output: ``combined[token_idx[e, r]] += weight[e, r] * out[e, r]``.
+  For each slice of valid rows, in the GEMM's (expert, m-block) order, it
+  waits until the m-block's counter reaches ``n_tiles`` and then scatter-adds
+  the rows into a token-major fp32 output:
+  ``combined[token_idx[e, r]] += weight[e, r] * out[e, r]``.
   It runs concurrently with the GEMM, on the SMs the GEMM was told to leave
   free (``num_sms``), which is the overlap the package exists for.
 
@@ -24,6 +25,8 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import vector
 from cutlass.experimental.primitives.nvvm_wrapper import nanosleep
 
+from .scheduler import MaskedTileScheduler
+
 def _F32X4():
     return ir.VectorType.get([4], ir.F32Type.get())
 
@@ -34,6 +37,7 @@ ERR_BAD_TOKEN = 2
 # made as wide as a CTA can be: 1024 threads, each moving 16-byte chunks.
 COMBINE_THREADS = 1024
 CHUNK = 8  # bf16 elements per 16-byte load
+ROWS_PER_ITEM = 8  # divides every block_m (64, 128, 192, 256)
 
 
 @cute.jit
@@ -58,11 +62,11 @@ def wait_signal(counter: cute.Pointer, target: Int32, max_polls: Int32, err: cut
 class MaskedCombineSm90:
     """Signal-driven combine (reference quality: fp32 atomics into the output).
 
-    One CTA of ``COMBINE_THREADS`` threads per unit (expert, m-block), units
-    taken round-robin in (expert, m-block) order, so the combine follows the
-    GEMM's expert-major order. Every thread polls the unit's counter itself
-    (one acquire each, so no reasoning about barrier cumulativity is needed),
-    then moves 16-byte chunks of the m-block's valid rows.
+    Work items are 8-row slices of the valid rows, in the GEMM's expert-major
+    order, dealt round-robin to the CTAs (``COMBINE_THREADS`` threads each).
+    Every thread polls the item's m-block counter itself (one acquire each, so
+    no reasoning about barrier cumulativity is needed), then moves 16-byte
+    chunks of the slice.
     """
 
     def __init__(self, block_m: int):
@@ -108,35 +112,42 @@ class MaskedCombineSm90:
         n = cute.size(mOut, mode=[2])
         num_tokens = cute.size(mCombined, mode=[0])
         num_m_slots = (max_m + self.block_m - 1) // self.block_m
-        for unit in cutlass.range(bidx, num_experts * num_m_slots, gdim, unroll=1):
-            e = unit // num_m_slots
-            mb = unit - e * num_m_slots
-            m_e = cutlass.max(cutlass.min(Int32(mMaskedM[e]), max_m), Int32(0))
-            rows = cutlass.min(m_e - mb * self.block_m, Int32(self.block_m))
-            if rows > 0:
-                if wait_signal(mSignals.iterator + unit, n_tiles, max_polls, mErr.iterator):
-                    row0 = mb * self.block_m
-                    chunks = n // CHUNK
-                    frag = cute.make_rmem_tensor((CHUNK,), mOut.element_type)
-                    for i in cutlass.range(tidx, rows * chunks, COMBINE_THREADS, unroll=1):
-                        r = i // chunks
-                        c = i - r * chunks
-                        token = Int32(mTokenIdx[e, row0 + r])
-                        if (token >= 0) & (token < num_tokens):
-                            w = cutlass.Float32(mWeight[e, row0 + r])
-                            src = cute.local_tile(mOut[e, row0 + r, None], (CHUNK,), (c,))
-                            cute.autovec_copy(src, frag)
-                            vals = frag.load().to(cutlass.Float32) * w
-                            base = mCombined.iterator + (token * n + c * CHUNK)
-                            # red.global.add.v4.f32 (sm_90): 4x fewer atomics
-                            # than scalar adds
-                            for q in cutlass.range_constexpr(CHUNK // 4):
-                                v4 = vector.from_elements(
-                                    _F32X4(), [vals[4 * q + j].ir_value() for j in range(4)]
-                                )
-                                cute.arch.red(
-                                    base + 4 * q, v4, op="add", dtype=cutlass.Float32,
-                                    sem="relaxed", scope="gpu",
-                                )
-                        else:
-                            cute.arch.atomic_or(mErr.iterator, Int32(ERR_BAD_TOKEN))
+        chunks = n // CHUNK
+        frag = cute.make_rmem_tensor((CHUNK,), mOut.element_type)
+        # Work items are ROWS_PER_ITEM-row slices of the valid rows only,
+        # walked expert-major by the GEMM's own masked scheduler (one "n-block"):
+        # with one item per (expert, m-block) and most m-blocks empty, the
+        # dsv3-ep8 work landed on 5 of 20 CTAs.
+        sched = MaskedTileScheduler.create(
+            mMaskedM, num_experts, max_m, Int32(1), ROWS_PER_ITEM, bidx, gdim
+        )
+        work = sched.work()
+        while work.is_valid:
+            e = work.expert
+            row0 = work.m_block * ROWS_PER_ITEM
+            unit = e * num_m_slots + row0 // self.block_m  # the GEMM m-block's counter
+            if wait_signal(mSignals.iterator + unit, n_tiles, max_polls, mErr.iterator):
+                for i in cutlass.range(tidx, work.valid_rows * chunks, COMBINE_THREADS, unroll=1):
+                    r = i // chunks
+                    c = i - r * chunks
+                    token = Int32(mTokenIdx[e, row0 + r])
+                    if (token >= 0) & (token < num_tokens):
+                        w = cutlass.Float32(mWeight[e, row0 + r])
+                        src = cute.local_tile(mOut[e, row0 + r, None], (CHUNK,), (c,))
+                        cute.autovec_copy(src, frag)
+                        vals = frag.load().to(cutlass.Float32) * w
+                        base = mCombined.iterator + (token * n + c * CHUNK)
+                        # red.global.add.v4.f32 (sm_90): 4x fewer atomics than
+                        # scalar adds
+                        for q in cutlass.range_constexpr(CHUNK // 4):
+                            v4 = vector.from_elements(
+                                _F32X4(), [vals[4 * q + j].ir_value() for j in range(4)]
+                            )
+                            cute.arch.red(
+                                base + 4 * q, v4, op="add", dtype=cutlass.Float32,
+                                sem="relaxed", scope="gpu",
+                            )
+                    else:
+                        cute.arch.atomic_or(mErr.iterator, Int32(ERR_BAD_TOKEN))
+            sched.advance()
+            work = sched.work()

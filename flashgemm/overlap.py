@@ -108,7 +108,7 @@ def run_gemm_and_combine(
     out: Optional[torch.Tensor] = None,
     max_polls: int = DEFAULT_MAX_POLLS,
 ):
-    """An MoE layer's GEMM with its combine overlapped: the combine starts on a
+    """An MoE layer's GEMM with its combine overlapped: the combine runs on a
     side stream and ships each m-block as soon as the GEMM signals it.
     Returns (out, err); both streams are joined into the current one."""
     sm_count = _device_facts(a.device.index)[1]
@@ -128,12 +128,17 @@ def run_gemm_and_combine(
         out = torch.empty((e_count, max_m, b.shape[1]), dtype=a.dtype, device=a.device)
     main = torch.cuda.current_stream(a.device)
     side = _side_stream(a.device.index)
-    side.wait_stream(main)  # inputs and zeroed counters are ready
+    ready = main.record_event()  # inputs and zeroed counters are ready
+    # The GEMM is enqueued first so its 2-CTA clusters are placed on an empty
+    # GPU; the combine's CTAs then take the SMs left over. Combine first
+    # scattered its CTAs over the GPCs, fewer GEMM clusters fit, and the
+    # overlapped run took up to 2.4x the sequential one (H100, dsv3-ep32-down).
+    grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=expected_m, num_sms=gemm_sms,
+                           config=config, dst_signals=signals)
+    side.wait_event(ready)
     with torch.cuda.stream(side):
         err = combine_masked(out, masked_m, signals, layout, token_idx, weight, combined,
                              num_sms=combine_sms, max_polls=max_polls)
-    grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=expected_m, num_sms=gemm_sms,
-                           config=config, dst_signals=signals)
     main.wait_stream(side)
     for t in (out, signals, combined, err, token_idx, weight):
         t.record_stream(side)
