@@ -1,0 +1,75 @@
+"""CUDA graphs and streams (skipped without an sm_90 GPU)."""
+
+import torch
+
+import flashgemm
+from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error
+
+from conftest import requires_hopper
+
+pytestmark = requires_hopper
+
+POISON = -12345.0
+
+
+def _check_valid_rows(out, ref, masked_m):
+    rows = masked_m.clamp(0, out.shape[1]).tolist()
+    for e, m in enumerate(rows):
+        assert (out[e, m:] == POISON).all(), f"expert {e}: rows >= m_e written"
+        if m:
+            assert relative_error(out[e, :m].float(), ref[e, :m]) < 1e-2
+
+
+def test_graph_replay_with_new_masked_m_inputs_and_signals(seed):
+    e_count, max_m, n, k = 8, 192, 320, 256
+    a = torch.randn(e_count, max_m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(e_count, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    masked_m = torch.randint(0, max_m + 1, (e_count,), dtype=torch.int32, device="cuda")
+    out = torch.full((e_count, max_m, n), POISON, device="cuda", dtype=torch.bfloat16)
+    layout = flashgemm.signal_layout(e_count, max_m, n, k, expected_m=64)
+    sig = flashgemm.alloc_signals(layout, "cuda")
+
+    def step():
+        sig.zero_()
+        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=64, dst_signals=sig)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(4):
+        # new token distribution (zeros, max_m, over-large) and new activations
+        masked_m.copy_(torch.randint(-2, max_m + 20, (e_count,), dtype=torch.int32))
+        masked_m[0] = 0
+        a.copy_(torch.randn_like(a))
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_valid_rows(out, grouped_gemm_nt_masked_ref(a, b, masked_m), masked_m)
+        assert torch.equal(sig.cpu(), layout.final_values(masked_m.cpu(), max_m))
+
+
+def test_runs_on_the_current_non_default_stream(seed):
+    e_count, max_m, n, k = 4, 128, 256, 256
+    a = torch.randn(e_count, max_m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(e_count, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    masked_m = torch.tensor([128, 5, 0, 77], dtype=torch.int32, device="cuda")
+    out = torch.full((e_count, max_m, n), POISON, device="cuda", dtype=torch.bfloat16)
+    flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m)  # compile first
+    out.fill_(POISON)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning ahead of us on this stream
+        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m)
+    # ordered behind the sleep on `side`: nothing written yet, and the default
+    # stream did not run it
+    assert not side.query()
+    torch.cuda.current_stream().synchronize()
+    assert (out == POISON).all()
+    side.synchronize()
+    _check_valid_rows(out, grouped_gemm_nt_masked_ref(a, b, masked_m), masked_m)
