@@ -1,9 +1,9 @@
 """Kernel configurations and the heuristic that picks one.
 
 A :class:`GemmConfig` holds every choice that changes the generated code apart
-from the dtypes. It is frozen so it can key the compile cache. The smem budget
-and register split live here too, because validation must reject a config the
-hardware cannot run before anything is compiled.
+from the dtypes. It is frozen so it can key the compile cache. The shared-memory
+budget lives here too, because validation must reject a config the hardware
+cannot run before anything is compiled.
 """
 
 from __future__ import annotations
@@ -54,13 +54,13 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        # one producer warpgroup (only its first warp issues TMA) + consumers
+        # one producer warpgroup (TMA warp, store warp, two idle) + consumers
         return 128 * (1 + self.consumer_warpgroups)
 
     @property
     def epi_tile(self) -> tuple[int, int]:
-        # Each consumer warpgroup stores its 64 rows; 32 columns keeps the
-        # staging buffer at 4 KiB per warpgroup and stage.
+        # One bulk store per (tile_m x 32) sub-tile: 32 columns keep the
+        # staging buffer at 4 KiB per 64 rows and stage.
         return (self.tile_m, 32)
 
     def stage_bytes(self, elem_bytes: int = 2) -> int:

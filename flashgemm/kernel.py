@@ -12,7 +12,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
 from cutlass.tensor_utils.layout import LayoutEnum
 
-from .config import GemmConfig
+from .config import EPI_STAGES, GemmConfig
 from .epilogue import TileEpilogue, TileStorer
 from .mainloop import consume_tile, produce_tile
 from .scheduler import MaskedTileScheduler
@@ -50,17 +50,17 @@ class MaskedGroupedGemmSm90:
 
     * warpgroup 0, warp 0: the **producer**. Walks the masked tile scheduler and
       issues TMA loads of A (tile_m x tile_k) and B (tile_n x tile_k) into the
-      ``stages``-deep shared-memory ring.
-    * warpgroup 0, warp 1: the **store warp**. Walks the same schedule, issues
-      the bulk stores of the sub-tiles the consumers staged, and publishes
-      completion signals, so no wgmma warp waits on a store. Warps 2-3 only
-      give back registers.
-      With ``cluster_n=2`` the two CTAs of a cluster work on adjacent n-blocks
-      of one m-block and each multicasts half of the A tile to both.
+      ``stages``-deep shared-memory ring. With ``cluster_n=2`` the two CTAs of
+      a cluster work on adjacent n-blocks of one m-block and each multicasts
+      half of the A tile to both.
+    * warpgroup 0, warp 1: the **store warp** (``TileStorer``). Walks the same
+      schedule, issues the bulk stores of the sub-tiles the consumers staged,
+      and publishes completion signals, so no wgmma warp waits on a store.
+      Warps 2-3 only give back registers.
     * warpgroups 1..W: the **consumers**. Each owns 64 rows of the tile,
-      issues wgmma from the ring, then runs the epilogue (``TileEpilogue``) on
-      its accumulators (``TileEpilogue``): staging full tiles in shared memory
-      for the store warp, or predicated stores for partial ones.
+      issues wgmma from the ring, then runs the epilogue on its accumulators
+      (``TileEpilogue``): staging full tiles in shared memory for the store
+      warp, or predicated stores for partial ones.
 
     Pipelines: ``PipelineTmaAsync`` (producer -> consumers, one full/empty
     mbarrier pair per stage) for operands; named barrier 1 (consumers + store
@@ -79,7 +79,7 @@ class MaskedGroupedGemmSm90:
         self.acc_dtype = cutlass.Float32
         self.tile_mnk = config.tile_mnk
         self.stages = config.resolved_stages(ab_dtype.width // 8, out_dtype.width // 8)
-        self.epi_stages = 2
+        self.epi_stages = EPI_STAGES
         self.num_consumer_wg = config.consumer_warpgroups
         self.num_consumer_threads = 128 * self.num_consumer_wg
         self.threads = config.threads
@@ -274,6 +274,9 @@ class MaskedGroupedGemmSm90:
         tile_mn = (self.tile_mnk[0], self.tile_mnk[1])
         signals = self.signal_mode is not None
         num_m_slots = (max_m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
+        # Each role (producer, store warp, consumers) walks its own copy of
+        # the scheduler below; all read the same masked_m. (A shared helper
+        # closure is not allowed by the DSL inside staged branches.)
 
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
