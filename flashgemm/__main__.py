@@ -33,10 +33,16 @@ def _hopper_gpu():
 
 
 def cmd_compile(args) -> int:
-    from .compile import build, ensure_arch_env
+    from .compile import build, ensure_arch_env, precompile
     from .config import HEURISTIC_CONFIGS
 
     arch = ensure_arch_env(args.arch)
+    if getattr(args, "cache_dir", None):
+        t0 = time.perf_counter()
+        n = precompile(arch=arch, cache_dir=args.cache_dir)
+        print(f"{n} kernels for {arch} in {args.cache_dir} ({time.perf_counter() - t0:.1f} s); "
+              f"use them with FLASHGEMM_CACHE_DIR={args.cache_dir}")
+        return 0
     print(f"compiling {len(HEURISTIC_CONFIGS)} bf16 configurations for {arch} (no GPU needed)")
     ok = True
     for cfg in HEURISTIC_CONFIGS:
@@ -124,6 +130,8 @@ def main(argv=None) -> int:
     d.add_argument("-k", type=int, default=7168)
     c = sub.add_parser("compile", help="compile every heuristic configuration (no GPU needed)")
     c.add_argument("--arch", default="sm_90a")
+    c.add_argument("--cache-dir", help="fill this disk cache with every kernel the package can launch "
+                   "(all configurations x signal modes) instead of listing PTX features")
     args = p.parse_args(argv)
     if args.cmd == "compile":
         return cmd_compile(args)

@@ -1,4 +1,4 @@
-"""JIT compilation and the in-process compile cache.
+"""JIT compilation and the compile cache (in-process, then on disk).
 
 Kernels are compiled from fake tensors whose extents (E, max_m, N, K) and
 strides are symbolic, so one compiled object serves every shape: only the
@@ -19,6 +19,7 @@ import tempfile
 import threading
 from typing import Callable, Dict, Optional
 
+from . import diskcache
 from .config import GemmConfig
 
 _TORCH_TO_NAME = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
@@ -169,16 +170,43 @@ def get_kernel(
 
 
 def _cached(key: tuple, compile_fn: Callable):
-    """In-process cache; two threads asking for one new key compile it once."""
+    """Two-level cache: this process's dictionary, then the disk
+    (``diskcache``); two threads asking for one new key compile it once."""
     fn = _cache.get(key)  # lock-free hit: the per-call path
     if fn is not None:
         return fn
     with _lock:
         fn = _cache.get(key)
         if fn is None:
-            fn = compile_fn()
+            fn = diskcache.get_or_build(key, compile_fn)
             _cache[key] = fn
     return fn
+
+
+def precompile(
+    configs=None,
+    *,
+    signal_modes=(None, "m_block", "expert"),
+    arch: Optional[str] = None,
+    cache_dir: Optional[str] = None,
+) -> int:
+    """Build the kernels a deployment will launch and store them in the disk
+    cache (``cache_dir`` or $FLASHGEMM_CACHE_DIR), so serving never compiles.
+    ``configs`` defaults to every configuration the heuristic can choose.
+    Works without a GPU. Returns the number of kernels now cached."""
+    from .config import HEURISTIC_CONFIGS
+
+    arch = ensure_arch_env(arch or default_arch())
+    count = 0
+    for cfg in configs or HEURISTIC_CONFIGS:
+        for mode in signal_modes:
+            key = cache_key(cfg, "bf16", "bf16", arch, mode)
+            fn = diskcache.get_or_build(
+                key, lambda: build(cfg, "bf16", "bf16", arch, signal_mode=mode), cache_dir
+            )
+            _cache[key] = fn
+            count += 1
+    return count
 
 
 def build_combine(block_m: int, arch: Optional[str] = None, keep_ptx: bool = False):

@@ -55,6 +55,31 @@ def main():
     }
     for name, f in rows.items():
         print(f"{name:40s} {host_us(f):8.1f} us")
+    cold_start()
+
+
+def cold_start():
+    """New process to first launch: cold (compile) and with a warm disk cache."""
+    import subprocess
+    import tempfile
+
+    script = (
+        "import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); "
+        "import flashgemm; "
+        "a = torch.randn(8, 64, 256, device='cuda', dtype=torch.bfloat16); "
+        "b = torch.randn(8, 256, 256, device='cuda', dtype=torch.bfloat16); "
+        "m = torch.full((8,), 32, device='cuda', dtype=torch.int32); "
+        "torch.cuda.synchronize(); t2 = time.perf_counter(); "
+        "flashgemm.grouped_gemm_nt_masked(a, b, None, m, expected_m=32); torch.cuda.synchronize(); "
+        "t3 = time.perf_counter(); print(t1 - t0, t3 - t1, t3 - t2)"
+    )
+    with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ, FLASHGEMM_CACHE_DIR=d)
+        for label in ("cold (compiles)", "warm disk cache"):
+            out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+            torch_s, after_torch_s, first_call_s = map(float, out.stdout.split()[-3:])
+            print(f"new process, {label:16s}: import torch {torch_s:.2f} s; then to first launch done "
+                  f"{after_torch_s:.2f} s (first call alone {first_call_s:.2f} s)")
 
 
 if __name__ == "__main__":

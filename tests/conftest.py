@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -7,6 +8,8 @@ import torch
 # cutlass is imported anywhere in the session.
 if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+# the disk cache of compiled kernels: a private one per test session
+os.environ.setdefault("FLASHGEMM_CACHE_DIR", tempfile.mkdtemp(prefix="flashgemm-test-cache-"))
 
 
 def _is_hopper() -> bool:

@@ -73,3 +73,38 @@ def test_runs_on_the_current_non_default_stream(seed):
     assert (out == POISON).all()
     side.synchronize()
     _check_valid_rows(out, grouped_gemm_nt_masked_ref(a, b, masked_m), masked_m)
+
+
+def test_fresh_process_launches_from_the_disk_cache(tmp_path):
+    """A kernel exported by one process is loaded and launched by the next,
+    with no compile, and computes the right result."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import json, time, torch
+t0 = time.perf_counter()
+import flashgemm
+from flashgemm import compile as c, diskcache
+from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error
+a = torch.randn(4, 96, 256, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(4, 320, 256, device="cuda", dtype=torch.bfloat16) / 16
+m = torch.tensor([96, 0, 7, 50], dtype=torch.int32, device="cuda")
+out = flashgemm.grouped_gemm_nt_masked(a, b, None, m, expected_m=32)
+torch.cuda.synchronize()
+ref = grouped_gemm_nt_masked_ref(a, b, m)
+err = max(relative_error(out[e, :r].float(), ref[e, :r]) for e, r in enumerate(m.tolist()) if r)
+print(json.dumps({"compiles": c.compile_count, "loads": diskcache.load_count, "err": err,
+                  "first_call_s": time.perf_counter() - t0}))
+"""
+    env = dict(os.environ, FLASHGEMM_CACHE_DIR=str(tmp_path))
+    runs = []
+    for _ in range(2):
+        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    assert runs[0]["compiles"] == 1 and runs[0]["err"] < 1e-2
+    assert runs[1]["compiles"] == 0 and runs[1]["loads"] == 1 and runs[1]["err"] < 1e-2
+    print(runs)
