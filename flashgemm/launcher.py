@@ -30,7 +30,7 @@ def _check_tensor(name: str, t, rank: int, dtypes: Sequence[torch.dtype]) -> Non
         raise ValueError(f"{name} must have rank {rank}, got shape {tuple(t.shape)}")
 
 
-def _check_tma_operand(name: str, t: torch.Tensor, inner: str) -> tuple[int, int]:
+def _check_tma_operand(name: str, t: torch.Tensor, inner: str, is_input: bool = True) -> tuple[int, int]:
     """Inner dim contiguous, outer strides and base 16-byte aligned.
 
     Returns the tensor's byte span [start, end) for the aliasing checks.
@@ -43,6 +43,10 @@ def _check_tma_operand(name: str, t: torch.Tensor, inner: str) -> tuple[int, int
             f"{name} must be contiguous along {inner} (stride 1), got strides {tuple(stride)}"
         )
     for dim in (0, 1):
+        if is_input and stride[dim] == 0 and shape[dim] > 1:
+            # broadcast views: we build no TMA descriptors with zero strides
+            # (out gets the self-overlap check instead)
+            raise ValueError(f"{name}.stride({dim}) is 0 (a broadcast view); pass a materialized tensor")
         if (stride[dim] * es) % _TMA_ALIGN:
             raise ValueError(
                 f"{name}.stride({dim}) = {stride[dim]} elements is not a multiple of "
@@ -120,7 +124,7 @@ def validate_args(a, b, out, masked_m) -> tuple[int, int, int, int]:
     span_a = _check_tma_operand("a", a, "K")
     span_b = _check_tma_operand("b", b, "K")
     if out is not None:
-        span_out = _check_tma_operand("out", out, "N")
+        span_out = _check_tma_operand("out", out, "N", is_input=False)
         _check_no_self_overlap("out", out)
         for other_name, span in (("a", span_a), ("b", span_b), ("masked_m", _span_1d(masked_m))):
             if _overlaps(span_out, span):

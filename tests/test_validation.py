@@ -517,3 +517,16 @@ def test_out_permuted_layout_accepted():
     b = torch.randn(e, n, k, dtype=torch.bfloat16)
     out = torch.empty(m, e, n, dtype=torch.bfloat16).transpose(0, 1)
     assert validate_args(a, b, out, torch.full((e,), m, dtype=torch.int32)) == (e, m, n, k)
+
+
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_broadcast_operand_rejected(which):
+    e, m, n, k = 3, 64, 128, 64
+    a = torch.randn(e, m, k, dtype=torch.bfloat16)
+    b = torch.randn(e, n, k, dtype=torch.bfloat16)
+    if which == "a":
+        a = torch.randn(1, m, k, dtype=torch.bfloat16).expand(e, m, k)
+    else:
+        b = torch.randn(1, n, k, dtype=torch.bfloat16).expand(e, n, k)
+    with pytest.raises(ValueError, match=rf"{which}\.stride\(0\) is 0"):
+        validate_args(a, b, None, torch.full((e,), m, dtype=torch.int32))
