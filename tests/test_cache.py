@@ -19,7 +19,8 @@ import json, sys
 from flashgemm import compile as c, diskcache
 from flashgemm.config import GemmConfig
 c.get_kernel({CFG}, arch="sm_90a")
-print(json.dumps({{"compiles": c.compile_count, "loads": diskcache.load_count}}))
+print(json.dumps({{"compiles": c.compile_count, "loads": diskcache.load_count,
+                  "dsl_imported": "cutlass" in sys.modules}}))
 """
 
 
@@ -29,10 +30,13 @@ def _child(cache_dir, extra_env=None):
                             stderr=subprocess.PIPE, text=True)
 
 
-def _result(proc):
+def _result(proc, keep_dsl_flag=False):
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
+    got = json.loads(out.strip().splitlines()[-1])
+    if not keep_dsl_flag:
+        got.pop("dsl_imported")
+    return got
 
 
 def _entries(cache_dir, ext):
@@ -42,10 +46,19 @@ def _entries(cache_dir, ext):
 def test_new_process_loads_instead_of_compiling(tmp_path):
     assert _result(_child(tmp_path)) == {"compiles": 1, "loads": 0}
     assert len(_entries(tmp_path, ".o")) == 1 and len(_entries(tmp_path, ".json")) == 1
+    # a C compiler is present here, so the entry has a shared library, which
+    # loads through tvm_ffi alone: the CuTe DSL is never imported
+    assert len(_entries(tmp_path, ".so")) == 1
+    assert _result(_child(tmp_path), keep_dsl_flag=True) == {"compiles": 0, "loads": 1, "dsl_imported": False}
+
+
+def test_without_a_c_compiler_the_object_file_is_loaded(tmp_path):
+    assert _result(_child(tmp_path, {"CC": "/nonexistent/cc"})) == {"compiles": 1, "loads": 0}
+    assert _entries(tmp_path, ".so") == []
     assert _result(_child(tmp_path)) == {"compiles": 0, "loads": 1}
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "drop-object", "foreign-key"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "drop-object", "foreign-key", "garbage-so"])
 def test_corrupt_entry_is_rebuilt_not_loaded(tmp_path, damage):
     _result(_child(tmp_path))
     obj = tmp_path / _entries(tmp_path, ".o")[0]
@@ -56,6 +69,9 @@ def test_corrupt_entry_is_rebuilt_not_loaded(tmp_path, damage):
         obj.write_bytes(b"\0" * 4096)
     elif damage == "drop-object":
         obj.unlink()
+    elif damage == "garbage-so":
+        so = tmp_path / _entries(tmp_path, ".so")[0]
+        so.write_bytes(b"\x7fELF" + b"\0" * 4092)
     else:
         meta.write_text(json.dumps(dict(json.loads(meta.read_text()), key="('another', 'kernel')")))
     assert _result(_child(tmp_path)) == {"compiles": 1, "loads": 0}
