@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from .config import GemmConfig, choose_config
-from .signals import GRANULARITIES, SignalLayout, make_signal_layout, validate_signals
+from .signals import SignalLayout, check_granularity, make_signal_layout, validate_signals
 
 _AB_DTYPES = (torch.bfloat16,)
 _TMA_ALIGN = 16  # bytes: TMA base address and stride granularity
@@ -58,7 +58,7 @@ def _check_tma_operand(name: str, t: torch.Tensor, inner: str, is_input: bool = 
     for dim in (0, 1, 2):
         if shape[dim] > _MAX_DIM:
             raise ValueError(f"{name}.shape[{dim}] = {shape[dim]} exceeds {_MAX_DIM}")
-    return _byte_span_3d(t)
+    return _span(ptr, shape, stride, es)
 
 
 def _check_no_self_overlap(name: str, t: torch.Tensor) -> None:
@@ -82,10 +82,13 @@ def _span_1d(t: torch.Tensor) -> tuple[int, int]:
     return ptr, ptr + ((t.shape[0] - 1) * t.stride(0) + 1) * t.element_size()
 
 
+def _span(ptr: int, shape, stride, element_size: int) -> tuple[int, int]:
+    last = sum((size - 1) * st for size, st in zip(shape, stride))
+    return ptr, ptr + (last + 1) * element_size
+
+
 def _byte_span_3d(t: torch.Tensor) -> tuple[int, int]:
-    ptr, st, sh = t.data_ptr(), t.stride(), t.shape
-    last = sum((sz - 1) * s_ for sz, s_ in zip(sh, st))
-    return ptr, ptr + (last + 1) * t.element_size()
+    return _span(t.data_ptr(), t.shape, t.stride(), t.element_size())
 
 
 def _overlaps(x: tuple[int, int], y: tuple[int, int]) -> bool:
@@ -270,8 +273,8 @@ def grouped_gemm_nt_masked(
                 raise ValueError(f"dst_signals must not overlap {other_name} in memory")
         if _overlaps(span, _span_1d(masked_m)):
             raise ValueError("dst_signals must not overlap masked_m in memory")
-    elif signal_granularity not in GRANULARITIES:
-        raise ValueError(f"signal_granularity must be one of {GRANULARITIES}, got {signal_granularity!r}")
+    else:
+        check_granularity(signal_granularity)
 
     if out is None:
         out = torch.empty((e_count, max_m, n), dtype=a.dtype, device=a.device)

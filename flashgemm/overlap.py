@@ -16,17 +16,14 @@ from typing import Optional
 
 import torch
 
-from .launcher import _device_facts, grouped_gemm_nt_masked
+from .launcher import _check_tensor, _device_facts, grouped_gemm_nt_masked
 from .signals import SignalLayout, alloc_signals
 
 DEFAULT_MAX_POLLS = 2_000_000  # with <= 2 us back-off: a few seconds before giving up
 
 
 def _check(name, t, dtype, shape):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    _check_tensor(name, t, len(shape), (dtype,))
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if not t.is_contiguous():

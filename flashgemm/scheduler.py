@@ -32,7 +32,7 @@ from typing import Iterable, List, Sequence, Tuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Boolean
+from cutlass import Int32
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
 

@@ -61,13 +61,17 @@ class SignalLayout:
         return full.reshape(-1)
 
 
-def make_signal_layout(
-    granularity: str, max_m: int, n: int, block_m: int, block_n: int, num_experts: int
-) -> SignalLayout:
+def check_granularity(granularity: str) -> None:
     if granularity not in GRANULARITIES:
         raise ValueError(
             f"signal_granularity must be one of {GRANULARITIES}, got {granularity!r}"
         )
+
+
+def make_signal_layout(
+    granularity: str, max_m: int, n: int, block_m: int, block_n: int, num_experts: int
+) -> SignalLayout:
+    check_granularity(granularity)
     num_m_blocks = -(-max_m // block_m)
     size = num_experts if granularity == "expert" else num_experts * num_m_blocks
     return SignalLayout(granularity, block_m, block_n, num_m_blocks, -(-n // block_n), size)

@@ -7,31 +7,17 @@
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
 from flashgemm import launcher  # noqa: E402
 from flashgemm.compile import get_kernel  # noqa: E402
 from flashgemm.config import DECODE_CONFIG  # noqa: E402
-
-
-def host_us(fn, reps=2000):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for i in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-        if i % 100 == 99:
-            torch.cuda.synchronize()  # keep the launch queue short
-    torch.cuda.synchronize()
-    return statistics.median(ts) * 1e6
+from bench import host_us  # noqa: E402
 
 
 def main():
@@ -54,7 +40,7 @@ def main():
         "torch._grouped_mm 3D (peer)": lambda: torch._grouped_mm(a, b.transpose(-2, -1)),
     }
     for name, f in rows.items():
-        print(f"{name:40s} {host_us(f):8.1f} us")
+        print(f"{name:40s} {host_us(f, reps=2000):8.1f} us")
     cold_start()
 
 
