@@ -9,6 +9,7 @@ import time
 
 PTX_FEATURES = {
     "wgmma": "wgmma.mma_async",
+    "fp8-wgmma": ".e4m3.e4m3",
     "tma-load": "cp.async.bulk.tensor.3d.shared::cta.global",
     "tma-store": "cp.async.bulk.tensor.3d.global.shared::cta",
     "setmaxnreg": "setmaxnreg",
@@ -33,8 +34,8 @@ def _hopper_gpu():
 
 
 def cmd_compile(args) -> int:
-    from .compile import build, ensure_arch_env, precompile
-    from .config import HEURISTIC_CONFIGS
+    from .compile import build, ensure_arch_env, operand_dtype, precompile
+    from .config import FP8_HEURISTIC_CONFIGS, HEURISTIC_CONFIGS
 
     arch = ensure_arch_env(args.arch)
     if getattr(args, "cache_dir", None):
@@ -43,15 +44,18 @@ def cmd_compile(args) -> int:
         print(f"{n} kernels for {arch} in {args.cache_dir} ({time.perf_counter() - t0:.1f} s); "
               f"use them with FLASHGEMM_CACHE_DIR={args.cache_dir}")
         return 0
-    print(f"compiling {len(HEURISTIC_CONFIGS)} bf16 configurations for {arch} (no GPU needed)")
+    configs = HEURISTIC_CONFIGS + FP8_HEURISTIC_CONFIGS
+    print(f"compiling {len(HEURISTIC_CONFIGS)} bf16 and {len(FP8_HEURISTIC_CONFIGS)} block-scaled "
+          f"fp8 configurations for {arch} (no GPU needed)")
     ok = True
-    for cfg in HEURISTIC_CONFIGS:
+    for cfg in configs:
         t0 = time.perf_counter()
-        fn = build(cfg, arch=arch, keep_ptx=True)
+        ab = operand_dtype(cfg)
+        fn = build(cfg, ab, arch=arch, keep_ptx=True)
         secs = time.perf_counter() - t0
         feats = ptx_features(fn.__ptx__ or "")
         ok &= "wgmma" in feats and "tma-load" in feats
-        print(f"  {cfg.short_name():28s} {secs:5.1f} s  PTX: {', '.join(feats)}")
+        print(f"  {ab:8s} {cfg.short_name():28s} {secs:5.1f} s  PTX: {', '.join(feats)}")
     return 0 if ok else 1
 
 

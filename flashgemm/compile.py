@@ -82,7 +82,7 @@ def cache_key(
 def _cutlass_dtype(name: str):
     import cutlass
 
-    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[name]
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8e4m3": cutlass.Float8E4M3FN}[name]
 
 
 def _fake_args(ab_dtype, out_dtype):
@@ -101,7 +101,15 @@ def _fake_args(ab_dtype, out_dtype):
     d = fake(out_dtype, (e, m, n), (ld(out_dtype), ld(out_dtype), 1), assumed_align=16)
     masked_m = fake(cutlass.Int32, (e,), (1,), assumed_align=4)
     signals = fake(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
-    return a, b, d, masked_m, signals
+    sfa = sfb = None
+    if ab_dtype.width == 8:
+        f32 = cutlass.Float32
+        kb, nb = cute.sym_int(), cute.sym_int()
+        # activation scales (E, max_m, K/128), M contiguous, TMA-aligned strides;
+        # weight scales (E, N/128, K/128) read element-wise: any strides
+        sfa = fake(f32, (e, m, kb), (ld(f32), 1, ld(f32)), assumed_align=16)
+        sfb = fake(f32, (e, nb, kb), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+    return a, b, d, masked_m, signals, sfa, sfb
 
 
 @contextlib.contextmanager
@@ -126,7 +134,8 @@ def build(
     signal_mode: Optional[str] = None,
 ):
     """Compile one kernel (no caching). Returns the TVM-FFI callable
-    ``fn(a, b, out, masked_m, signals, num_ctas)``; with ``keep_ptx`` its
+    ``fn(a, b, out, masked_m, signals, a_scale, b_scale, num_ctas)`` (the
+    scales are None for 16-bit operands); with ``keep_ptx`` its
     ``__ptx__`` holds the generated PTX. ``signal_mode``: None, "m_block" or
     "expert"."""
     arch = ensure_arch_env(arch)
@@ -139,7 +148,7 @@ def build(
     ab_t, out_t = _cutlass_dtype(ab_dtype), _cutlass_dtype(out_dtype)
     config.validate(ab_t.width // 8, out_t.width // 8)
     gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, signal_mode)
-    a, b, d, masked_m, signals = _fake_args(ab_t, out_t)
+    a, b, d, masked_m, signals, sfa, sfb = _fake_args(ab_t, out_t)
     with _compile_options(keep_ptx) as options:
         fn = cute.compile(
             gemm,
@@ -148,6 +157,8 @@ def build(
             d,
             masked_m,
             signals,
+            sfa,
+            sfb,
             cutlass.Int32(1),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options=options,
@@ -183,6 +194,12 @@ def _cached(key: tuple, compile_fn: Callable):
     return fn
 
 
+def operand_dtype(config: GemmConfig) -> str:
+    """The operand dtype a config is built for: a stage is one 128-byte row,
+    so tile_k 64 means 16-bit (bf16) operands and 128 means fp8."""
+    return "fp8e4m3" if config.tile_k == 128 else "bf16"
+
+
 def precompile(
     configs=None,
     *,
@@ -192,17 +209,19 @@ def precompile(
 ) -> int:
     """Build the kernels a deployment will launch and store them in the disk
     cache (``cache_dir`` or $FLASHGEMM_CACHE_DIR), so serving never compiles.
-    ``configs`` defaults to every configuration the heuristic can choose.
+    ``configs`` defaults to every configuration the heuristic can choose, bf16
+    and fp8 (a config's tile_k picks its dtype: 64 bf16, 128 fp8).
     Works without a GPU. Returns the number of kernels now cached."""
-    from .config import HEURISTIC_CONFIGS
+    from .config import FP8_HEURISTIC_CONFIGS, HEURISTIC_CONFIGS
 
     arch = ensure_arch_env(arch or default_arch())
     count = 0
-    for cfg in configs or HEURISTIC_CONFIGS:
+    for cfg in configs or HEURISTIC_CONFIGS + FP8_HEURISTIC_CONFIGS:
+        ab = operand_dtype(cfg)
         for mode in signal_modes:
-            key = cache_key(cfg, "bf16", "bf16", arch, mode)
+            key = cache_key(cfg, ab, "bf16", arch, mode)
             fn = diskcache.get_or_build(
-                key, lambda: build(cfg, "bf16", "bf16", arch, signal_mode=mode), cache_dir
+                key, lambda: build(cfg, ab, "bf16", arch, signal_mode=mode), cache_dir
             )
             _cache[key] = fn
             count += 1

@@ -24,7 +24,8 @@ class GemmConfig:
 
     tile_m: rows of the CTA tile (64 per consumer warpgroup).
     tile_n: columns of the CTA tile (wgmma N; 64..256, multiple of 64 here).
-    tile_k: K depth of one pipeline stage (64 elements of bf16 = one 128-byte swizzle row).
+    tile_k: K depth of one pipeline stage: one 128-byte swizzle row, so 64 for
+        bf16 and 128 for fp8 (where one stage is one 128-wide scale block).
     stages: depth of the TMA -> wgmma shared-memory ring; 0 = as many as fit.
     cluster_m / cluster_n: CTA cluster shape. cluster_n=2 pairs CTAs on
         adjacent n-blocks of one m-block; each loads half of the A tile and
@@ -64,7 +65,10 @@ class GemmConfig:
         return (self.tile_m, 32)
 
     def stage_bytes(self, elem_bytes: int = 2) -> int:
-        return (self.tile_m + self.tile_n) * self.tile_k * elem_bytes
+        operands = (self.tile_m + self.tile_n) * self.tile_k * elem_bytes
+        if elem_bytes == 1:  # block-scaled fp8: the tile's fp32 row scales ride along
+            operands += self.tile_m * 4
+        return operands
 
     def epi_bytes(self, out_elem_bytes: int = 2) -> int:
         em, en = self.epi_tile
@@ -103,8 +107,19 @@ class GemmConfig:
             )
         if self.tile_n not in (64, 128, 192, 256):
             raise ValueError(f"config.tile_n must be one of 64, 128, 192, 256, got {self.tile_n}")
-        if self.tile_k != 64:
-            raise ValueError(f"config.tile_k must be 64 for 16-bit operands, got {self.tile_k}")
+        if self.tile_k * elem_bytes != 128:
+            raise ValueError(
+                f"config.tile_k must be {128 // elem_bytes} for {8 * elem_bytes}-bit operands "
+                f"(one 128-byte row per stage), got {self.tile_k}"
+            )
+        if elem_bytes == 1 and self.tile_n > 192:
+            # a block-scaled tile holds two accumulator sets (the running sum
+            # and one k-block's products): tile_n fp32 registers per thread
+            raise ValueError(f"config.tile_n must be <= 192 for fp8, got {self.tile_n}")
+        if elem_bytes == 1 and self.consumer_warpgroups == 3 and self.tile_n > 64:
+            raise ValueError(
+                f"config.tile_n must be 64 for fp8 with 3 consumer warpgroups, got {self.tile_n}"
+            )
         if self.cluster_m != 1 or self.cluster_n not in (1, 2):
             raise ValueError(
                 f"config cluster shape ({self.cluster_m}, {self.cluster_n}) is not supported; "
@@ -130,7 +145,7 @@ class GemmConfig:
     def short_name(self) -> str:
         return (
             f"m{self.tile_m}n{self.tile_n}k{self.tile_k}"
-            f"s{self.resolved_stages()}wg{self.consumer_warpgroups}"
+            f"s{self.resolved_stages(max(1, 128 // self.tile_k))}wg{self.consumer_warpgroups}"
             f"c{self.cluster_m}x{self.cluster_n}" + ("-l2hint" if self.l2_hints else "")
         )
 
@@ -148,13 +163,26 @@ MID_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n
 PREFILL_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, cluster_n=2)
 _REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_CONFIG, PREFILL_CONFIG)
 
-HEURISTIC_CONFIGS: tuple[GemmConfig, ...] = _REGIME_CONFIGS + tuple(
-    dataclasses.replace(c, cluster_n=1) for c in _REGIME_CONFIGS  # for num_sms == 1
-)
+# Block-scaled fp8: 128-deep stages (one scale block each). Two accumulator
+# sets per thread (running sum + one k-block's products) cap tile_n at 192,
+# so prefill keeps the 128x128 tile.
+FP8_DECODE_CONFIG = dataclasses.replace(DECODE_CONFIG, tile_k=128)
+FP8_DECODE_128_CONFIG = dataclasses.replace(DECODE_128_CONFIG, tile_k=128)
+FP8_MID_CONFIG = dataclasses.replace(MID_CONFIG, tile_k=128)
+FP8_PREFILL_CONFIG = FP8_MID_CONFIG
+_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_DECODE_128_CONFIG, FP8_MID_CONFIG)
+
+
+def _with_single_cta(configs):
+    return configs + tuple(dataclasses.replace(c, cluster_n=1) for c in configs)  # num_sms == 1
+
+
+HEURISTIC_CONFIGS: tuple[GemmConfig, ...] = _with_single_cta(_REGIME_CONFIGS)
+FP8_HEURISTIC_CONFIGS: tuple[GemmConfig, ...] = _with_single_cta(_FP8_REGIME_CONFIGS)
 
 
 def choose_config(
-    expected_m: Optional[int], max_m: int, n: int, k: int, num_sms: int
+    expected_m: Optional[int], max_m: int, n: int, k: int, num_sms: int, fp8: bool = False
 ) -> GemmConfig:
     """Pick a configuration from host-side facts only (never reads masked_m).
 
@@ -169,14 +197,15 @@ def choose_config(
     * expected_m 1024: 128x256 (dsv3-prefill gate_up 435 vs 457 us for 128x128).
     """
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
+    regimes = _FP8_REGIME_CONFIGS + (FP8_PREFILL_CONFIG,) if fp8 else _REGIME_CONFIGS
     if m <= 48:
-        cfg = DECODE_CONFIG
+        cfg = regimes[0]
     elif m <= 96:
-        cfg = DECODE_128_CONFIG
+        cfg = regimes[1]
     elif m <= 256:
-        cfg = MID_CONFIG
+        cfg = regimes[2]
     else:
-        cfg = PREFILL_CONFIG
+        cfg = regimes[3]
     if num_sms < cfg.cluster_n:
         cfg = dataclasses.replace(cfg, cluster_n=1)
     return cfg

@@ -14,7 +14,7 @@ from cutlass.tensor_utils.layout import LayoutEnum
 
 from .config import EPI_STAGES, GemmConfig
 from .epilogue import TileEpilogue, TileStorer
-from .mainloop import consume_tile, produce_tile
+from .mainloop import consume_tile, consume_tile_blockscaled, produce_tile
 from .scheduler import MaskedTileScheduler
 
 # Register split (setmaxnreg): the producer warpgroup only walks the scheduler
@@ -44,7 +44,8 @@ def _batch_last(t: cute.Tensor) -> cute.Tensor:
 
 
 class MaskedGroupedGemmSm90:
-    """Persistent, warp-specialized masked grouped GEMM (NT, bf16/fp16 in, fp32 accumulate).
+    """Persistent, warp-specialized masked grouped GEMM (NT, bf16/fp16 or
+    block-scaled fp8 e4m3 in, fp32 accumulate).
 
     Warp roles (one CTA per SM, ``config.threads`` threads):
 
@@ -60,7 +61,10 @@ class MaskedGroupedGemmSm90:
     * warpgroups 1..W: the **consumers**. Each owns 64 rows of the tile,
       issues wgmma from the ring, then runs the epilogue on its accumulators
       (``TileEpilogue``): staging full tiles in shared memory for the store
-      warp, or predicated stores for partial ones.
+      warp, or predicated stores for partial ones. For block-scaled fp8 each
+      k-tile is one 128-wide scale block: its products are promoted into the
+      accumulators with the row's activation scale (which the producer loads
+      by TMA into the same ring slot as the operands) times the weight scale.
 
     Pipelines: ``PipelineTmaAsync`` (producer -> consumers, one full/empty
     mbarrier pair per stage) for operands; named barrier 1 (consumers + store
@@ -84,6 +88,8 @@ class MaskedGroupedGemmSm90:
         self.num_consumer_threads = 128 * self.num_consumer_wg
         self.threads = config.threads
         self.cluster_n = config.cluster_n
+        # 8-bit operands are the block-scaled fp8 recipe (a_scale, b_scale)
+        self.block_scaled = ab_dtype.width == 8
 
     def _make_layouts(self):
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -106,6 +112,27 @@ class MaskedGroupedGemmSm90:
             self.out_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages
         )
 
+    def _sfa_smem_layout(self):
+        # one fp32 activation scale per tile row and stage (M contiguous); built
+        # where it is used (a layout made on the host side cannot enter the kernel)
+        return cute.make_layout((self.tile_mnk[0], 1, self.stages))
+
+    def _shared_storage(self):
+        """The CTA's shared memory (plain Python: the struct differs by dtype)."""
+        stages, ab, out = self.stages, self.ab_dtype, self.out_dtype
+        a_size, b_size = cute.cosize(self.a_smem_layout), cute.cosize(self.b_smem_layout)
+        d_size = cute.cosize(self.d_smem_layout)
+        sfa_size = cute.cosize(self._sfa_smem_layout()) if self.block_scaled else 4
+
+        fields = {  # (annotations are strings in this module: build them explicitly)
+            "ab_mbar": cute.struct.MemRange[cutlass.Int64, stages * 2],
+            "sA": cute.struct.Align[cute.struct.MemRange[ab, a_size], 1024],
+            "sB": cute.struct.Align[cute.struct.MemRange[ab, b_size], 1024],
+            "sD": cute.struct.Align[cute.struct.MemRange[out, d_size], 1024],
+            "sSFA": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, sfa_size], 128],
+        }
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
     @cute.jit
     def __call__(
         self,
@@ -114,6 +141,8 @@ class MaskedGroupedGemmSm90:
         mD: cute.Tensor,  # (E, max_m, N), N contiguous
         mMaskedM: cute.Tensor,  # (E,) int32
         mSignals: cute.Tensor,  # int32 counters (unused when signal_mode is None)
+        mSFA: cute.Tensor,  # fp8: (E, max_m, ceil(K/128)) fp32, M contiguous; else None
+        mSFB: cute.Tensor,  # fp8: (E, ceil(N/128), ceil(K/128)) fp32; else None
         num_ctas: Int32,
         stream,
     ):
@@ -121,6 +150,15 @@ class MaskedGroupedGemmSm90:
         mA_mkl = _batch_last(mA)
         mB_nkl = _batch_last(mB)
         mD_mnl = _batch_last(mD)
+        tma_atom_sfa, mSFA_tma, mSFB_nkl = None, None, None
+        if cutlass.const_expr(self.block_scaled):
+            tma_atom_sfa, mSFA_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                _batch_last(mSFA),
+                cute.slice_(self._sfa_smem_layout(), (None, None, 0)),
+                (self.tile_mnk[0], 1),
+            )
+            mSFB_nkl = mSFB
 
         a_smem_one = cute.slice_(self.a_smem_layout, (None, None, 0))
         b_smem_one = cute.slice_(self.b_smem_layout, (None, None, 0))
@@ -147,20 +185,7 @@ class MaskedGroupedGemmSm90:
             self.epi_tile,
         )
 
-        @cute.struct
-        class SharedStorage:
-            ab_mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout)], 1024
-            ]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout)], 1024
-            ]
-            sD: cute.struct.Align[
-                cute.struct.MemRange[self.out_dtype, cute.cosize(self.d_smem_layout)], 1024
-            ]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self._shared_storage()
 
         self.kernel(
             tma_atom_a,
@@ -172,6 +197,9 @@ class MaskedGroupedGemmSm90:
             mD_mnl,
             mMaskedM,
             mSignals,
+            tma_atom_sfa,
+            mSFA_tma,
+            mSFB_nkl,
             self.tiled_mma,
             self.a_smem_layout,
             self.b_smem_layout,
@@ -196,6 +224,9 @@ class MaskedGroupedGemmSm90:
         mD_mnl: cute.Tensor,
         mMaskedM: cute.Tensor,
         mSignals: cute.Tensor,
+        tma_atom_sfa,  # block-scaled only (else None)
+        mSFA_tma,
+        mSFB: cute.Tensor,  # (E, N/128, K/128)
         tiled_mma: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
@@ -212,6 +243,8 @@ class MaskedGroupedGemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_d)
+            if cutlass.const_expr(self.block_scaled):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_sfa)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -219,6 +252,8 @@ class MaskedGroupedGemmSm90:
         tma_bytes = cute.size_in_bytes(
             self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0))
         ) + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0)))
+        if cutlass.const_expr(self.block_scaled):
+            tma_bytes += self.tile_mnk[0] * 4  # the tile's activation scales
         # Every consumer warp arrives on the empty barrier of each CTA whose
         # producer wrote into the slot: itself, plus the peer that multicast
         # half of A into it.
@@ -257,6 +292,16 @@ class MaskedGroupedGemmSm90:
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
+        sSFA, tSFAsSFA, tSFAgSFA, mSFB_nkl = None, None, None, None
+        if cutlass.const_expr(self.block_scaled):
+            mSFB_nkl = _batch_last(mSFB)
+            sSFA = storage.sSFA.get_tensor(self._sfa_smem_layout())
+            # (BM, 1, RestM, K/128, E): every CTA loads its own tile's scales
+            gSFA = cute.local_tile(mSFA_tma, (self.tile_mnk[0], 1), (None, None, None))
+            tSFAsSFA, tSFAgSFA = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_sfa, 0, cute.make_layout(1),
+                cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2),
+            )
 
         num_experts = cute.size(mA_mkl, mode=[2])
         max_m = cute.size(mA_mkl, mode=[0])
@@ -297,9 +342,13 @@ class MaskedGroupedGemmSm90:
                 while work.is_valid:
                     tAgA_k = tAgA[(None, work.m_block, None, work.expert)]
                     tBgB_k = tBgB[(None, work.n_block, None, work.expert)]
+                    tSFAgSFA_k = None
+                    if cutlass.const_expr(self.block_scaled):
+                        tSFAgSFA_k = tSFAgSFA[(None, work.m_block, None, work.expert)]
                     producer_state = produce_tile(
                         ab_pipeline, producer_state, tma_atom_a, tAgA_k, tAsA,
                         tma_atom_b, tBgB_k, tBsB, k_tile_cnt, policy_a, policy_b, a_mcast_mask,
+                        tma_atom_sfa, tSFAgSFA_k, tSFAsSFA,
                     )
                     sched.advance()
                     work = sched.work()
@@ -339,6 +388,12 @@ class MaskedGroupedGemmSm90:
             tCrB = tiled_mma.make_fragment_B(tCsB)
             acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_mnk, (None, None, 0)))
             accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            acc_block, rows = None, None
+            if cutlass.const_expr(self.block_scaled):
+                acc_block = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                # the two tile rows this thread's accumulators cover (value mode 1)
+                tCcC = thr_mma.partition_C(cute.make_identity_tensor(tile_mn))
+                rows = (tCcC[0][0], tCcC[2][0])
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             epi = TileEpilogue(
                 tiled_mma, accumulators, sD, gD_mem, tile_mn, self.out_dtype, consumer_tidx, epi_barrier
@@ -351,10 +406,17 @@ class MaskedGroupedGemmSm90:
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             while work.is_valid:
-                read_state, release_state = consume_tile(
-                    ab_pipeline, read_state, release_state, tiled_mma, accumulators,
-                    tCrA, tCrB, k_tile_cnt,
-                )
+                if cutlass.const_expr(self.block_scaled):
+                    read_state = consume_tile_blockscaled(
+                        ab_pipeline, read_state, tiled_mma, accumulators, acc_block,
+                        tCrA, tCrB, k_tile_cnt, sSFA, rows, mSFB_nkl,
+                        work.expert, work.n_block, self.tile_mnk[1],
+                    )
+                else:
+                    read_state, release_state = consume_tile(
+                        ab_pipeline, read_state, release_state, tiled_mma, accumulators,
+                        tCrA, tCrB, k_tile_cnt,
+                    )
                 epi.store(
                     work.expert, work.m_block, work.n_block, work.valid_rows, n_total, signals
                 )

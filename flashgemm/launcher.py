@@ -15,7 +15,9 @@ import torch
 from .config import GemmConfig, choose_config
 from .signals import SignalLayout, check_granularity, make_signal_layout, validate_signals
 
-_AB_DTYPES = (torch.bfloat16,)
+_AB_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+_FP8 = torch.float8_e4m3fn
+_SCALE_BLOCK = 128  # 1x128 activation / 128x128 weight scale blocks
 _TMA_ALIGN = 16  # bytes: TMA base address and stride granularity
 _MAX_DIM = 2**31 - 1  # extents are int32 in the kernel
 
@@ -95,9 +97,62 @@ def _overlaps(x: tuple[int, int], y: tuple[int, int]) -> bool:
     return x[0] < y[1] and y[0] < x[1]
 
 
-def validate_args(a, b, out, masked_m) -> tuple[int, int, int, int]:
+def _check_scales(a, b, a_scale, b_scale, e_count, max_m, n, k) -> None:
+    """fp8 operands come with both scale tensors, 16-bit operands with none."""
+    fp8 = a.dtype == _FP8
+    if not fp8:
+        for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
+            if t is not None:
+                raise ValueError(f"{name} is only for float8_e4m3fn operands; a and b are {a.dtype}")
+        return
+    for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if t is None:
+            raise ValueError(f"float8_e4m3fn operands need {name} (block-scaled fp8); got None")
+    _check_tensor("a_scale", a_scale, 3, (torch.float32,))
+    _check_tensor("b_scale", b_scale, 3, (torch.float32,))
+    k_blocks = -(-k // _SCALE_BLOCK)
+    want_a = (e_count, max_m, k_blocks)
+    if tuple(a_scale.shape) != want_a:
+        raise ValueError(
+            f"a_scale must have shape (E, max_m, ceil(K/128)) = {want_a}, got {tuple(a_scale.shape)}"
+        )
+    want_b = (e_count, -(-n // _SCALE_BLOCK), k_blocks)
+    if tuple(b_scale.shape) != want_b:
+        raise ValueError(
+            f"b_scale must have shape (E, ceil(N/128), ceil(K/128)) = {want_b}, got {tuple(b_scale.shape)}"
+        )
+    st = a_scale.stride()
+    if st[1] != 1 and st[2] != 1:
+        raise ValueError(
+            "a_scale must be contiguous along M (stride(1) == 1, the TMA layout) or along "
+            f"the K blocks (stride(2) == 1), got strides {tuple(st)}"
+        )
+
+
+def tma_ready_a_scale(a_scale: torch.Tensor, check_only: bool = False):
+    """``a_scale`` itself when the kernel can TMA-load it (M contiguous, other
+    strides and the base 16-byte aligned), else a copy in that layout (one
+    small extra kernel per call: the slower path). ``check_only``: just say
+    whether a copy is needed."""
+    st = a_scale.stride()
+    in_place = st[1] == 1 and st[0] % 4 == 0 and st[2] % 4 == 0 and a_scale.data_ptr() % _TMA_ALIGN == 0
+    if check_only:
+        return not in_place
+    if in_place:
+        return a_scale
+    e_count, max_m, k_blocks = a_scale.shape
+    m_pad = -(-max_m // 4) * 4
+    tma = torch.empty((e_count, k_blocks, m_pad), dtype=torch.float32, device=a_scale.device)
+    tma = tma.transpose(1, 2)[:, :max_m]
+    tma.copy_(a_scale)
+    return tma
+
+
+def validate_args(a, b, out, masked_m, a_scale=None, b_scale=None) -> tuple[int, int, int, int]:
     """Shape, dtype, stride and aliasing checks. Returns (E, max_m, N, K)."""
     _check_tensor("a", a, 3, _AB_DTYPES)
+    if isinstance(b, torch.Tensor) and b.dtype != a.dtype and b.dtype in _AB_DTYPES:
+        raise TypeError(f"a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
     _check_tensor("b", b, 3, (a.dtype,))
     _check_tensor("masked_m", masked_m, 1, (torch.int32,))
     e_count, max_m, k = a.shape
@@ -110,16 +165,20 @@ def validate_args(a, b, out, masked_m) -> tuple[int, int, int, int]:
         raise ValueError(f"b.shape[0] must equal the expert count E={e_count} of a, got {b_e}")
     if b_k != k:
         raise ValueError(f"b.shape[2] must equal K={k} of a, got {b_k}")
-    if k < 8 or k % 8:
-        raise ValueError(f"K (a.shape[2]) must be a positive multiple of 8, got {k}")
-    if n < 8 or n % 8:
-        raise ValueError(f"N (b.shape[1]) must be a positive multiple of 8, got {n}")
+    # 16-byte TMA rows: K % 8 for 16-bit operands, K % 16 for fp8 (N likewise,
+    # for the fp8 weight rows' own 16-byte rule)
+    mult = 16 if a.dtype == _FP8 else 8
+    if k < mult or k % mult:
+        raise ValueError(f"K (a.shape[2]) must be a positive multiple of {mult}, got {k}")
+    if n < mult or n % mult:
+        raise ValueError(f"N (b.shape[1]) must be a positive multiple of {mult}, got {n}")
     if masked_m.shape[0] != e_count:
         raise ValueError(f"masked_m must have E={e_count} entries, got {masked_m.shape[0]}")
     if masked_m.stride(0) != 1 and e_count > 1:
         raise ValueError(f"masked_m must be contiguous, got stride {masked_m.stride(0)}")
+    _check_scales(a, b, a_scale, b_scale, e_count, max_m, n, k)
     if out is not None:
-        _check_tensor("out", out, 3, (a.dtype,))
+        _check_tensor("out", out, 3, (out_dtype(a.dtype),))
         if tuple(out.shape) != (e_count, max_m, n):
             raise ValueError(
                 f"out must have shape (E, max_m, N) = {(e_count, max_m, n)}, got {tuple(out.shape)}"
@@ -129,10 +188,19 @@ def validate_args(a, b, out, masked_m) -> tuple[int, int, int, int]:
     if out is not None:
         span_out = _check_tma_operand("out", out, "N", is_input=False)
         _check_no_self_overlap("out", out)
-        for other_name, span in (("a", span_a), ("b", span_b), ("masked_m", _span_1d(masked_m))):
+        others = [("a", span_a), ("b", span_b), ("masked_m", _span_1d(masked_m))]
+        for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
+            if t is not None:
+                others.append((name, _byte_span_3d(t)))
+        for other_name, span in others:
             if _overlaps(span_out, span):
                 raise ValueError(f"out must not overlap {other_name} in memory")
     return e_count, max_m, n, k
+
+
+def out_dtype(ab_dtype: torch.dtype) -> torch.dtype:
+    """fp8 products are written as bf16; 16-bit ones in their own dtype."""
+    return torch.bfloat16 if ab_dtype == _FP8 else ab_dtype
 
 
 def validate_device(
@@ -175,12 +243,12 @@ def _device_facts(index: int) -> tuple[tuple[int, int], int, str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _validated(config: GemmConfig) -> GemmConfig:
+def _validated(config: GemmConfig, elem_bytes: int) -> GemmConfig:
     # configs are frozen: validate each one once per process
-    return config.validate(2, 2)
+    return config.validate(elem_bytes, 2)
 
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", _FP8: "fp8e4m3"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,17 +258,17 @@ def _unused_signals(index: int) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
 
 
-def _resolve_config(config, expected_m, max_m, n, k, grid_cap) -> GemmConfig:
+def _resolve_config(config, expected_m, max_m, n, k, grid_cap, fp8=False) -> GemmConfig:
     if expected_m is not None:
         if isinstance(expected_m, bool) or not isinstance(expected_m, int):
             raise TypeError(f"expected_m must be an int or None, got {type(expected_m).__name__}")
         if expected_m < 0:
             raise ValueError(f"expected_m must be >= 0, got {expected_m}")
     if config is None:
-        return choose_config(expected_m, max_m, n, k, grid_cap)
+        return choose_config(expected_m, max_m, n, k, grid_cap, fp8)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(config).__name__}")
-    return _validated(config)
+    return _validated(config, 1 if fp8 else 2)
 
 
 def signal_layout(
@@ -213,10 +281,12 @@ def signal_layout(
     num_sms: Optional[int] = None,
     config: Optional[GemmConfig] = None,
     signal_granularity: str = "m_block",
+    fp8: bool = False,
 ) -> SignalLayout:
     """The signal layout a call with these arguments will use, known before launch
-    (so a combine kernel can be set up first). ``num_sms`` as passed to the call."""
-    cfg = _resolve_config(config, expected_m, max_m, n, k, num_sms if num_sms else 1 << 30)
+    (so a combine kernel can be set up first). ``num_sms`` as passed to the call;
+    ``fp8`` for float8_e4m3fn operands."""
+    cfg = _resolve_config(config, expected_m, max_m, n, k, num_sms if num_sms else 1 << 30, fp8)
     return make_signal_layout(signal_granularity, max_m, n, cfg.tile_m, cfg.tile_n, num_experts)
 
 
@@ -226,6 +296,8 @@ def grouped_gemm_nt_masked(
     out: Optional[torch.Tensor],
     masked_m: torch.Tensor,
     *,
+    a_scale: Optional[torch.Tensor] = None,
+    b_scale: Optional[torch.Tensor] = None,
     expected_m: Optional[int] = None,
     num_sms: Optional[int] = None,
     config: Optional[GemmConfig] = None,
@@ -240,6 +312,16 @@ def grouped_gemm_nt_masked(
     only by the kernel. Rows ``out[e, m_e:]`` and all memory outside ``out``
     are never written. Runs on the current torch stream; no host sync.
 
+    Block-scaled fp8 (DeepSeek-V3 recipe): a and b float8_e4m3fn (K and N
+    multiples of 16), out bf16, with a_scale float32 [E, max_m, ceil(K/128)]
+    (one scale per row and 128-wide K block) and b_scale float32
+    [E, ceil(N/128), ceil(K/128)] (one per 128x128 block):
+    ``out[e, i, n] = sum_kb a_scale[e, i, kb] * b_scale[e, n // 128, kb] *
+    (a[e, i, kb-block] . b[e, n, kb-block])``. An a_scale that is M contiguous
+    with 16-byte-aligned strides (``quant.quantize_fp8_per_token``'s default,
+    what a low-latency dispatch writes) is read in place; a K-block-contiguous
+    one is first copied into that layout (an extra small kernel per call).
+
     expected_m: mean valid rows per expert (host hint for the configuration).
     num_sms: cap on the persistent grid, e.g. to leave SMs to a concurrent kernel.
     config: a :class:`GemmConfig` that overrides the heuristic.
@@ -249,16 +331,114 @@ def grouped_gemm_nt_masked(
     the :class:`SignalLayout` used (the same ``signal_layout(...)`` gives
     before the launch); without, it returns ``out``.
     """
-    e_count, max_m, n, k = validate_args(a, b, out, masked_m)
+    try:
+        # Everything the checks below depend on except the pointers: the same
+        # signature again (the serving steady state) skips straight to the
+        # pointer checks and the launch (~15 us of host time saved per call).
+        key = (
+            _meta(a), _meta(b), _meta(out), _meta(masked_m), _meta(a_scale), _meta(b_scale),
+            _meta(dst_signals), expected_m, type(expected_m), num_sms, type(num_sms),
+            config, signal_granularity,
+        )
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, unhashable: the full checks explain
+        key, plan = None, None
+    if plan is None or not plan.pointers_ok(a, b, out, masked_m, a_scale, b_scale, dst_signals):
+        plan = _make_plan(
+            a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config,
+            dst_signals, signal_granularity,
+        )
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals)
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+def _meta(t):
+    if t is None:
+        return None
+    return (t.dtype, t.shape, t.stride(), t.get_device())
+
+
+class _LaunchPlan:
+    """What the full checks derived for one argument signature: the compiled
+    kernel, grid, signal layout, and the byte extents for the pointer checks
+    that must run on every call (alignment and aliasing depend on addresses)."""
+
+    __slots__ = (
+        "fn", "num_ctas", "layout", "index", "out_shape", "out_dtype", "copy_a_scale",
+        "extents", "unused_signals",
+    )
+
+    def __init__(self, **kw):
+        for name, value in kw.items():
+            setattr(self, name, value)
+
+    def pointers_ok(self, a, b, out, masked_m, a_scale, b_scale, dst_signals) -> bool:
+        """The address-dependent checks of ``validate_args``; False sends the
+        call through the full checks, which name the problem."""
+        # (order of self.extents)
+        ptrs = [
+            a.data_ptr(), b.data_ptr(), masked_m.data_ptr(),
+            None if out is None else out.data_ptr(),
+            None if a_scale is None else a_scale.data_ptr(),
+            None if b_scale is None else b_scale.data_ptr(),
+            None if dst_signals is None else dst_signals.data_ptr(),
+        ]
+        p_a, p_b, p_out, p_sa = ptrs[0], ptrs[1], ptrs[3], ptrs[4]
+        if (p_a | p_b | (p_out or 0)) % _TMA_ALIGN:
+            return False
+        if p_sa is not None and p_sa % _TMA_ALIGN and not self.copy_a_scale:
+            return False  # an unaligned a_scale must take the copy path
+        for i in (3, 6):  # the written tensors, out and dst_signals, alias nothing
+            if ptrs[i] is None:
+                continue
+            lo, hi = ptrs[i], ptrs[i] + self.extents[i]
+            for j, p in enumerate(ptrs):
+                if j != i and p is not None and lo < p + self.extents[j] and p < hi:
+                    return False
+        return True
+
+    def launch(self, a, b, out, masked_m, a_scale, b_scale, dst_signals):
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=a.device)
+        if self.copy_a_scale:
+            a_scale = tma_ready_a_scale(a_scale)
+        signals = dst_signals if dst_signals is not None else self.unused_signals
+        if self.index == torch.cuda.current_device():
+            self.fn(a, b, out, masked_m, signals, a_scale, b_scale, self.num_ctas)
+        else:
+            # launch on the tensors' GPU and its current stream, not the caller's device
+            with torch.cuda.device(self.index):
+                self.fn(a, b, out, masked_m, signals, a_scale, b_scale, self.num_ctas)
+        return out if self.layout is None else (out, self.layout)
+
+
+def _extent(t) -> int:
+    return 0 if t is None else _span(0, t.shape, t.stride(), t.element_size())[1]
+
+
+def _make_plan(
+    a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals, signal_granularity
+) -> _LaunchPlan:
+    """Every check, in order; raises on bad input before anything launches."""
+    e_count, max_m, n, k = validate_args(a, b, out, masked_m, a_scale, b_scale)
+    fp8 = a.dtype == _FP8
     index = a.device.index if a.device.type == "cuda" else None
     if index is not None:
         capability, sm_count, name = _device_facts(index)
     else:  # validate_device rejects the non-CUDA tensor
         capability, sm_count, name = (0, 0), 0, ""
     grid_cap = validate_device(
-        {"a": a, "b": b, "out": out, "masked_m": masked_m}, num_sms, capability, sm_count, name
+        {"a": a, "b": b, "out": out, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale},
+        num_sms, capability, sm_count, name,
     )
-    config = _resolve_config(config, expected_m, max_m, n, k, grid_cap)
+    config = _resolve_config(config, expected_m, max_m, n, k, grid_cap, fp8)
     cn = config.cluster_n
     if grid_cap < cn:
         raise ValueError(f"config.cluster_n={cn} needs num_sms >= {cn}, got {grid_cap}")
@@ -267,7 +447,7 @@ def grouped_gemm_nt_masked(
         layout = make_signal_layout(signal_granularity, max_m, n, config.tile_m, config.tile_n, e_count)
         validate_signals(dst_signals, layout, a.device)
         span = _span_1d(dst_signals)
-        others = {"a": a, "b": b, "out": out}
+        others = {"a": a, "b": b, "out": out, "a_scale": a_scale, "b_scale": b_scale}
         for other_name, other in others.items():
             if other is not None and _overlaps(span, _byte_span_3d(other)):
                 raise ValueError(f"dst_signals must not overlap {other_name} in memory")
@@ -276,8 +456,6 @@ def grouped_gemm_nt_masked(
     else:
         check_granularity(signal_granularity)
 
-    if out is None:
-        out = torch.empty((e_count, max_m, n), dtype=a.dtype, device=a.device)
     # Persistent grid: never more clusters than units of work could use.
     n_groups = -(-(-(-n // config.tile_n)) // cn)  # ceil(ceil(N / tile_n) / cluster_n)
     max_units = e_count * -(-max_m // config.tile_m) * n_groups
@@ -286,12 +464,15 @@ def grouped_gemm_nt_masked(
     from .compile import get_kernel
 
     mode = layout.granularity if layout is not None else None
-    fn = get_kernel(config, _DTYPE_NAMES[a.dtype], _DTYPE_NAMES[out.dtype], signal_mode=mode)
-    signals = dst_signals if dst_signals is not None else _unused_signals(index)
-    if index == torch.cuda.current_device():
-        fn(a, b, out, masked_m, signals, num_ctas)
-    else:
-        # launch on the tensors' GPU and its current stream, not the caller's device
-        with torch.cuda.device(index):
-            fn(a, b, out, masked_m, signals, num_ctas)
-    return out if layout is None else (out, layout)
+    d_dtype = out_dtype(a.dtype)
+    return _LaunchPlan(
+        fn=get_kernel(config, _DTYPE_NAMES[a.dtype], _DTYPE_NAMES[d_dtype], signal_mode=mode),
+        num_ctas=num_ctas,
+        layout=layout,
+        index=index,
+        out_shape=(e_count, max_m, n),
+        out_dtype=d_dtype,
+        copy_a_scale=fp8 and tma_ready_a_scale(a_scale, check_only=True),
+        extents=[_extent(t) for t in (a, b, masked_m, out, a_scale, b_scale, dst_signals)],
+        unused_signals=_unused_signals(index) if dst_signals is None else None,
+    )

@@ -40,6 +40,9 @@ def produce_tile(
     policy_a,  # Int64 L2 cache policy or None
     policy_b,
     a_mcast_mask,  # Int16 mask of the CTAs receiving this CTA's share of A, or None
+    tma_atom_sfa=None,  # block-scaled fp8: the A scales of each k-tile ride in the same slot
+    tSFAgSFA_k=None,  # (TMA, k_tiles)
+    tSFAsSFA=None,  # (TMA, stages)
 ) -> pipeline.PipelineState:
     """Load every k-tile of one output tile into the ring; returns the advanced state."""
     for k_tile in cutlass.range(k_tile_cnt, unroll=1):
@@ -53,6 +56,11 @@ def produce_tile(
             tma_atom_b, tBgB_k[(None, k_tile)], tBsB[(None, producer_state.index)],
             tma_bar_ptr=bar, cache_policy=policy_b,
         )
+        if cutlass.const_expr(tma_atom_sfa is not None):
+            cute.copy(
+                tma_atom_sfa, tSFAgSFA_k[(None, k_tile)], tSFAsSFA[(None, producer_state.index)],
+                tma_bar_ptr=bar,
+            )
         ab_pipeline.producer_commit(producer_state)
         producer_state.advance()
     return producer_state
@@ -93,3 +101,72 @@ def consume_tile(
         ab_pipeline.consumer_release(release_state)
         release_state.advance()
     return read_state, release_state
+
+
+@cute.jit
+def consume_tile_blockscaled(
+    ab_pipeline: pipeline.PipelineTmaAsync,
+    read_state: pipeline.PipelineState,
+    tiled_mma: cute.TiledMma,
+    accumulators: cute.Tensor,  # the tile's fp32 result, ((2, 2, BN/8), 1, 1) per thread
+    acc_block: cute.Tensor,  # one k-tile's raw fp8 products, same shape
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    k_tile_cnt: Int32,
+    sSFA: cute.Tensor,  # (BM, 1, stages) fp32 A scales, one per row per k-tile
+    rows: tuple,  # this thread's two tile rows (accumulator value mode 1)
+    mSFB_nkl: cute.Tensor,  # (ceil(N/128), ceil(K/128), E) fp32 weight scales
+    expert: Int32,
+    n_block: Int32,
+    tile_n: cutlass.Constexpr,
+):
+    """Accumulate one output tile over K with 1x128 / 128x128 block scales.
+
+    One k-tile is one 128-wide scale block. Its wgmma chain accumulates into
+    ``acc_block`` from zero; once it retires (the slot is released right away)
+    the products are promoted into ``accumulators`` on the CUDA cores as
+    ``acc += acc_block * a_scale[row] * b_scale[n-block]``. The weight scale is
+    one value per (128-row block of N, k-block), the same for every thread: it
+    is loaded from global memory one k-tile ahead, so the load latency hides
+    behind the current k-tile's wait and wgmma.
+    """
+    num_k_blocks = cute.size(tCrA, mode=[2])
+    n0 = n_block * tile_n
+    sfb_block0 = n0 // 128
+    # A tile that spans a 128-column boundary (tile_n = 192) needs the
+    # next block's scale for its upper columns; clamped at the last block.
+    straddles = cutlass.const_expr(128 % tile_n != 0)
+    last_sfb_block = cute.size(mSFB_nkl, mode=[0]) - 1
+    sfb_block1 = cutlass.min(sfb_block0 + 1, last_sfb_block)
+    accumulators.fill(0.0)
+    next_b0 = mSFB_nkl[(sfb_block0, 0, expert)]
+    next_b1 = next_b0
+    if cutlass.const_expr(straddles):
+        next_b1 = mSFB_nkl[(sfb_block1, 0, expert)]
+    for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+        sfb0 = next_b0
+        sfb1 = next_b1
+        k_next = cutlass.min(k_tile + 1, k_tile_cnt - 1)
+        next_b0 = mSFB_nkl[(sfb_block0, k_next, expert)]
+        if cutlass.const_expr(straddles):
+            next_b1 = mSFB_nkl[(sfb_block1, k_next, expert)]
+        acc_block.fill(0.0)
+        ab_pipeline.consumer_wait(read_state)
+        cute.nvgpu.warpgroup.fence()
+        for k_block in cutlass.range_constexpr(num_k_blocks):
+            coord = (None, None, k_block, read_state.index)
+            cute.gemm(tiled_mma, acc_block, tCrA[coord], tCrB[coord], acc_block)
+        cute.nvgpu.warpgroup.commit_group()
+        cute.nvgpu.warpgroup.wait_group(0)
+        sfa = (sSFA[(rows[0], 0, read_state.index)], sSFA[(rows[1], 0, read_state.index)])
+        ab_pipeline.consumer_release(read_state)
+        read_state.advance()
+        # value i of the wgmma accumulator fragment: column pair (i % 2),
+        # row half (i // 2 % 2), 8-column group (i // 4)
+        for i in cutlass.range_constexpr(cute.size(accumulators)):
+            col = (i // 4) * 8
+            scale_b = sfb0
+            if cutlass.const_expr(straddles):
+                scale_b = cutlass.select_(n0 + col >= (sfb_block0 + 1) * 128, sfb1, sfb0)
+            accumulators[i] = accumulators[i] + acc_block[i] * (sfa[(i // 2) % 2] * scale_b)
+    return read_state

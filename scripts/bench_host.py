@@ -30,13 +30,17 @@ def main():
     mm = torch.full((e,), 32, device="cuda", dtype=torch.int32)
     fn = get_kernel(DECODE_CONFIG)
     no_signals = torch.zeros(1, device="cuda", dtype=torch.int32)
+    plan = launcher._make_plan(a, b, out, mm, None, None, None, None, DECODE_CONFIG, None, "m_block")
     rows = {
         "grouped_gemm_nt_masked (whole call)": lambda: flashgemm.grouped_gemm_nt_masked(
             a, b, out, mm, config=DECODE_CONFIG
         ),
-        "  validate_args": lambda: launcher.validate_args(a, b, out, mm),
+        "  first call of a signature: all checks": lambda: launcher._make_plan(
+            a, b, out, mm, None, None, None, None, DECODE_CONFIG, None, "m_block"
+        ),
+        "  later calls: pointer checks": lambda: plan.pointers_ok(a, b, out, mm, None, None, None),
         "  get_kernel (cache hit)": lambda: get_kernel(DECODE_CONFIG),
-        "  compiled fn call (TVM-FFI)": lambda: fn(a, b, out, mm, no_signals, 132),
+        "  compiled fn call (TVM-FFI)": lambda: fn(a, b, out, mm, no_signals, None, None, 132),
         "torch._grouped_mm 3D (peer)": lambda: torch._grouped_mm(a, b.transpose(-2, -1)),
     }
     for name, f in rows.items():

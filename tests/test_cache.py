@@ -142,16 +142,16 @@ def test_cli_fills_a_cache_a_new_process_uses(tmp_path):
     script = """
 import json
 from flashgemm import compile as c, diskcache
-from flashgemm.config import HEURISTIC_CONFIGS
-for cfg in HEURISTIC_CONFIGS:
+from flashgemm.config import FP8_HEURISTIC_CONFIGS, HEURISTIC_CONFIGS
+for cfg in HEURISTIC_CONFIGS + FP8_HEURISTIC_CONFIGS:
     for mode in (None, "m_block", "expert"):
-        c.get_kernel(cfg, arch="sm_90a", signal_mode=mode)
+        c.get_kernel(cfg, c.operand_dtype(cfg), arch="sm_90a", signal_mode=mode)
 print(json.dumps({"compiles": c.compile_count, "loads": diskcache.load_count}))
 """
     out = subprocess.run([sys.executable, "-c", script], env=dict(env, FLASHGEMM_CACHE_DIR=str(tmp_path)),
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    from flashgemm.config import HEURISTIC_CONFIGS
+    from flashgemm.config import FP8_HEURISTIC_CONFIGS, HEURISTIC_CONFIGS
 
-    assert got == {"compiles": 0, "loads": 3 * len(HEURISTIC_CONFIGS)}
+    assert got == {"compiles": 0, "loads": 3 * len(HEURISTIC_CONFIGS + FP8_HEURISTIC_CONFIGS)}

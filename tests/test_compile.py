@@ -8,7 +8,7 @@ import pytest
 
 from flashgemm import compile as fg_compile
 from flashgemm.__main__ import ptx_features
-from flashgemm.config import HEURISTIC_CONFIGS
+from flashgemm.config import FP8_HEURISTIC_CONFIGS, HEURISTIC_CONFIGS
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,44 @@ def test_ptx_has_hopper_features(ptx_by_config, cfg):
     # no register spills to local memory
     assert ".local" not in ptx
     assert set(ptx_features(ptx)) == {"wgmma", "tma-load", "tma-store", "setmaxnreg", "stmatrix"}
+
+
+@pytest.fixture(scope="module")
+def fp8_ptx_by_config():
+    return {
+        cfg: fg_compile.build(cfg, "fp8e4m3", arch="sm_90a", keep_ptx=True).__ptx__
+        for cfg in FP8_HEURISTIC_CONFIGS
+    }
+
+
+@pytest.mark.parametrize("cfg", FP8_HEURISTIC_CONFIGS, ids=lambda c: c.short_name())
+def test_fp8_ptx(fp8_ptx_by_config, cfg):
+    ptx = fp8_ptx_by_config[cfg]
+    # fp8 e4m3 wgmma, k32 per instruction, fp32 accumulate
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.tile_n}k32\.f32\.e4m3\.e4m3", ptx)
+    assert "bf16" not in re.findall(r"wgmma\.mma_async\S*", ptx)[0]
+    # operand and activation-scale TMA loads (A, B, scales) and the TMA store
+    # (A may be multicast: shared::cluster)
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global\.tile\.mbarrier", ptx)
+    assert len(loads) >= 3
+    assert "cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group" in ptx
+    # promotion: fp32 FMAs on the CUDA cores; weight scales read from global
+    assert "fma.rn.f32" in ptx and "ld.global" in ptx
+    assert ".local" not in ptx
+    assert {"wgmma", "fp8-wgmma", "tma-load", "tma-store"} <= set(ptx_features(ptx))
+
+
+def test_fp8_config_rules():
+    from flashgemm.config import GemmConfig
+
+    with pytest.raises(ValueError, match="tile_k must be 128 for 8-bit"):
+        GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1).validate(1)
+    with pytest.raises(ValueError, match="tile_k must be 64 for 16-bit"):
+        GemmConfig(tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1).validate(2)
+    with pytest.raises(ValueError, match="<= 192 for fp8"):
+        GemmConfig(tile_m=64, tile_n=256, tile_k=128, consumer_warpgroups=1).validate(1)
+    for cfg in FP8_HEURISTIC_CONFIGS:
+        assert cfg.validate(1) is cfg and fg_compile.operand_dtype(cfg) == "fp8e4m3"
 
 
 def test_cache_compiles_once_per_key():
@@ -64,5 +102,8 @@ def test_cli_compile_lists_every_config():
     )
     assert res.returncode == 0, res.stderr[-2000:]
     for cfg in HEURISTIC_CONFIGS:
-        line = next(l for l in res.stdout.splitlines() if cfg.short_name() in l)
-        assert "wgmma" in line and "tma-load" in line
+        line = next(l for l in res.stdout.splitlines() if cfg.short_name() in l and "bf16" in l)
+        assert "wgmma" in line and "tma-load" in line and "fp8-wgmma" not in line
+    for cfg in FP8_HEURISTIC_CONFIGS:
+        line = next(l for l in res.stdout.splitlines() if cfg.short_name() in l and "fp8e4m3" in l)
+        assert "fp8-wgmma" in line and "tma-load" in line

@@ -144,3 +144,26 @@ def test_cluster_grid_sizes(seed):
         buf, out = _poisoned_out(5, 130, 392)
         flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg, num_sms=num_sms)
         _check(a, b, masked_m, out, buf)
+
+
+def test_reused_signature_still_checks_pointers(seed):
+    """The per-signature fast path skips the shape checks, never the address ones."""
+    from flashgemm import launcher
+
+    a, b, masked_m = _random_case(4, 64, 256, 256, [64, 3, 0, 17])
+    out = torch.empty(4, 64, 256, device="cuda", dtype=torch.bfloat16)
+    flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m)
+    plans = len(launcher._PLANS)
+    buf, out2 = _poisoned_out(4, 64, 256)
+    flashgemm.grouped_gemm_nt_masked(a, b, out2, masked_m)  # same signature: reuses the plan
+    assert len(launcher._PLANS) == plans
+    _check(a, b, masked_m, out2, buf)
+    # same shapes and strides, but out on top of a / misaligned
+    shared = torch.empty(2 * a.numel(), device="cuda", dtype=torch.bfloat16)
+    a_alias = shared[: a.numel()].view_as(a).copy_(a)
+    out_alias = shared[64 : 64 + out.numel()].view_as(out)
+    with pytest.raises(ValueError, match="out must not overlap a"):
+        flashgemm.grouped_gemm_nt_masked(a_alias, b, out_alias, masked_m)
+    out_odd = torch.empty(out.numel() + 8, device="cuda", dtype=torch.bfloat16)[1 : 1 + out.numel()].view_as(out)
+    with pytest.raises(ValueError, match="out base address must be 16-byte aligned"):
+        flashgemm.grouped_gemm_nt_masked(a, b, out_odd, masked_m)

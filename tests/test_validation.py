@@ -530,3 +530,43 @@ def test_broadcast_operand_rejected(which):
         b = torch.randn(1, n, k, dtype=torch.bfloat16).expand(e, n, k)
     with pytest.raises(ValueError, match=rf"{which}\.stride\(0\) is 0"):
         validate_args(a, b, None, torch.full((e,), m, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------
+# the per-signature fast path: its pointer checks must catch what the full
+# checks would (alignment, aliasing), so a reused signature never skips them
+# ---------------------------------------------------------------------------
+
+
+def _plan_for(a, b, out, mm):
+    from flashgemm.launcher import _LaunchPlan, _extent
+
+    return _LaunchPlan(
+        fn=None, num_ctas=1, layout=None, index=0, out_shape=None, out_dtype=None,
+        copy_a_scale=False, unused_signals=None,
+        extents=[_extent(t) for t in (a, b, mm, out, None, None, None)],
+    )
+
+
+def test_fast_path_pointer_checks_accept_distinct_aligned_tensors():
+    a, b, out, mm = make()
+    assert _plan_for(a, b, out, mm).pointers_ok(a, b, out, mm, None, None, None)
+
+
+def test_fast_path_pointer_checks_catch_aliasing_and_misalignment():
+    a, b, out, mm = make()
+    plan = _plan_for(a, b, out, mm)
+    # same shapes and strides, but out now lives on top of a
+    buf = torch.empty(a.numel() + out.numel(), dtype=BF16)
+    a2 = buf[: a.numel()].view_as(a)
+    out2 = buf[a.numel() // 2 : a.numel() // 2 + out.numel()].view_as(out)
+    assert not plan.pointers_ok(a2, b, out2, mm, None, None, None)
+    with pytest.raises(ValueError, match="out must not overlap a"):
+        validate_args(a2, b, out2, mm)
+    # a misaligned by one element
+    big = torch.empty(a.numel() + 8, dtype=BF16)
+    a3 = big[1 : 1 + a.numel()].view_as(a)
+    assert not plan.pointers_ok(a3, b, out, mm, None, None, None)
+    # masked_m inside out
+    mm2 = out.view(-1)[:2 * E].view(torch.int32)
+    assert not plan.pointers_ok(a, b, out, mm2, None, None, None)
