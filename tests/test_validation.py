@@ -539,18 +539,18 @@ def test_broadcast_operand_rejected(which):
 
 
 def _plan_for(a, b, out, mm):
-    from flashgemm.launcher import _LaunchPlan, _extent
+    from flashgemm.launcher import _LaunchPlan, _pointer_rules
 
     return _LaunchPlan(
         fn=None, num_ctas=1, layout=None, index=0, out_shape=None, out_dtype=None,
         copy_a_scale=False, unused_signals=None,
-        extents=[_extent(t) for t in (a, b, mm, out, None, None, None)],
+        **_pointer_rules((a, b, mm, out, None, None, None), False),
     )
 
 
 def test_fast_path_pointer_checks_accept_distinct_aligned_tensors():
     a, b, out, mm = make()
-    assert _plan_for(a, b, out, mm).pointers_ok(a, b, out, mm, None, None, None)
+    assert _plan_for(a, b, out, mm).pointers_ok((a, b, mm, out, None, None, None))
 
 
 def test_fast_path_pointer_checks_catch_aliasing_and_misalignment():
@@ -560,13 +560,13 @@ def test_fast_path_pointer_checks_catch_aliasing_and_misalignment():
     buf = torch.empty(a.numel() + out.numel(), dtype=BF16)
     a2 = buf[: a.numel()].view_as(a)
     out2 = buf[a.numel() // 2 : a.numel() // 2 + out.numel()].view_as(out)
-    assert not plan.pointers_ok(a2, b, out2, mm, None, None, None)
+    assert not plan.pointers_ok((a2, b, mm, out2, None, None, None))
     with pytest.raises(ValueError, match="out must not overlap a"):
         validate_args(a2, b, out2, mm)
     # a misaligned by one element
     big = torch.empty(a.numel() + 8, dtype=BF16)
     a3 = big[1 : 1 + a.numel()].view_as(a)
-    assert not plan.pointers_ok(a3, b, out, mm, None, None, None)
+    assert not plan.pointers_ok((a3, b, mm, out, None, None, None))
     # masked_m inside out
     mm2 = out.view(-1)[:2 * E].view(torch.int32)
-    assert not plan.pointers_ok(a, b, out, mm2, None, None, None)
+    assert not plan.pointers_ok((a, b, mm2, out, None, None, None))
