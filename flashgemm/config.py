@@ -165,12 +165,10 @@ _REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_CONFIG, PREFILL_CONFIG)
 
 # Block-scaled fp8: 128-deep stages (one scale block each). Two accumulator
 # sets per thread (running sum + one k-block's products) cap tile_n at 192,
-# so prefill keeps the 128x128 tile.
+# so prefill keeps the 128x128 tile. See choose_config for the measurements.
 FP8_DECODE_CONFIG = dataclasses.replace(DECODE_CONFIG, tile_k=128)
-FP8_DECODE_128_CONFIG = dataclasses.replace(DECODE_128_CONFIG, tile_k=128)
 FP8_MID_CONFIG = dataclasses.replace(MID_CONFIG, tile_k=128)
-FP8_PREFILL_CONFIG = FP8_MID_CONFIG
-_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_DECODE_128_CONFIG, FP8_MID_CONFIG)
+_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_MID_CONFIG)
 
 
 def _with_single_cta(configs):
@@ -195,17 +193,27 @@ def choose_config(
       for 128x64 and 239.1 for 64x128; 192x128 with three consumer warpgroups won
       gate_up, 188.1, but lost down, 129.5 vs 113.5, so it is not chosen);
     * expected_m 1024: 128x256 (dsv3-prefill gate_up 435 vs 457 us for 128x128).
+
+    fp8 (sweep of 10 configs, same day, `bench.py --dtype fp8 --sweep`): 64x128
+    with one consumer warpgroup wins every case up to expected_m 64
+    (qwen3-235b-ep8 down 49.1 us vs 55.8 for 128x64 and 53.0 for 128x128) and
+    expected_m 128 with K <= 4096 (dsv3-ep32 down 67.2 vs 73.7 for 128x128: more,
+    smaller units fill the last wave); with K = 7168 128x128 wins (dsv3-ep32
+    gate_up 107.2 vs 116.2), and in prefill (dsv3-prefill gate_up 247-272 us vs
+    312 for 128x192 and 351 for 64x128).
     """
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
-    regimes = _FP8_REGIME_CONFIGS + (FP8_PREFILL_CONFIG,) if fp8 else _REGIME_CONFIGS
-    if m <= 48:
-        cfg = regimes[0]
+    if fp8:
+        small = m <= 96 or (m <= 256 and k <= 4096)
+        cfg = FP8_DECODE_CONFIG if small else FP8_MID_CONFIG
+    elif m <= 48:
+        cfg = DECODE_CONFIG
     elif m <= 96:
-        cfg = regimes[1]
+        cfg = DECODE_128_CONFIG
     elif m <= 256:
-        cfg = regimes[2]
+        cfg = MID_CONFIG
     else:
-        cfg = regimes[3]
+        cfg = PREFILL_CONFIG
     if num_sms < cfg.cluster_n:
         cfg = dataclasses.replace(cfg, cluster_n=1)
     return cfg

@@ -56,7 +56,7 @@ def quantize_fp8_per_token(x: torch.Tensor, *, power_of_two: bool = False, m_maj
     *batch, m, k = x.shape
     xp = _pad_last(x.float(), -1).reshape(*batch, m, _blocks(k), FP8_BLOCK)
     scale = _scale_from_amax(xp.abs().amax(dim=-1), power_of_two)  # [..., M, KB]
-    q = _to_fp8(xp / scale.unsqueeze(-1)).reshape(*batch, m, -1)[..., :k]
+    q = _to_fp8(xp / scale.unsqueeze(-1)).reshape(*batch, m, _blocks(k) * FP8_BLOCK)[..., :k]
     if not m_major:
         return q.contiguous(), scale.contiguous()
     m_pad = -(-m // 4) * 4

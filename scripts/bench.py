@@ -148,6 +148,7 @@ def run_fp8_case(case, seed, reps, sweep=False):
         variants = list(FP8_HEURISTIC_CONFIGS) + [
             GemmConfig(tile_m=128, tile_n=192, tile_k=128, consumer_warpgroups=2, cluster_n=2),
             GemmConfig(tile_m=64, tile_n=64, tile_k=128, consumer_warpgroups=1, cluster_n=2),
+            GemmConfig(tile_m=64, tile_n=192, tile_k=128, consumer_warpgroups=1, cluster_n=2),
             GemmConfig(tile_m=192, tile_n=64, tile_k=128, consumer_warpgroups=3, cluster_n=2),
         ]
         for cfg in variants:

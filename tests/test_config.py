@@ -45,3 +45,16 @@ def test_short_name_distinguishes_configs():
     names = {c.short_name() for c in HEURISTIC_CONFIGS}
     assert len(names) == len(HEURISTIC_CONFIGS)
     assert GemmConfig(l2_hints=True).short_name() != GemmConfig().short_name()
+
+
+def test_fp8_heuristic_regimes():
+    from flashgemm.config import FP8_DECODE_CONFIG, FP8_HEURISTIC_CONFIGS, FP8_MID_CONFIG
+
+    assert choose_config(32, 1024, 4096, 7168, 132, fp8=True) == FP8_DECODE_CONFIG
+    assert choose_config(128, 4096, 7168, 2048, 132, fp8=True) == FP8_DECODE_CONFIG
+    assert choose_config(128, 4096, 4096, 7168, 132, fp8=True) == FP8_MID_CONFIG
+    assert choose_config(1024, 4096, 4096, 7168, 132, fp8=True) == FP8_MID_CONFIG
+    single = choose_config(32, 1024, 4096, 7168, 1, fp8=True)
+    assert single.cluster_n == 1 and single in FP8_HEURISTIC_CONFIGS
+    for cfg in FP8_HEURISTIC_CONFIGS:
+        assert cfg.tile_k == 128 and cfg.validate(1) is cfg
