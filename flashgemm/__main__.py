@@ -63,7 +63,8 @@ def cmd_demo(args) -> int:
     import torch
 
     from . import grouped_gemm_nt_masked
-    from .reference import grouped_gemm_nt_masked_ref, relative_error
+    from .quant import quantize_fp8_per_block, quantize_fp8_per_token
+    from .reference import grouped_gemm_nt_masked_ref, relative_error, similarity
 
     gpu, why = _hopper_gpu()
     if gpu is None:
@@ -82,45 +83,63 @@ def cmd_demo(args) -> int:
         )
         print(f"\nreference on CPU: E={e_count} max_m={max_m} N={n} K={k} masked_m={masked_m.tolist()}")
         print(f"  fp32 reference vs float64: max relative error {err:.1e}")
+        a8, a_scale = quantize_fp8_per_token(a)
+        b8, b_scale = quantize_fp8_per_block(b)
+        ref8 = grouped_gemm_nt_masked_ref(a8, b8, masked_m, a_scale=a_scale, b_scale=b_scale)
+        diff = max(similarity(ref8[e, :m], direct[e, :m]) for e, m in enumerate(masked_m.tolist()) if m)
+        print(f"  fp8 block-scaled reference vs float64 of the unquantized data: similarity diff {diff:.1e}")
         print("No GPU kernel ran. Run this on an H100/H200 to launch it.")
         return rc
 
     # An MoE decode layer: DeepSeek-V3 gate_up with EP8 (32 local experts).
     e_count, max_m, n, k, expected_m = args.experts, args.max_m, args.n, args.k, args.expected_m
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
-    a = torch.randn(e_count, max_m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(e_count, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    x = torch.randn(e_count, max_m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e_count, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     u = torch.rand(e_count) * 0.6 + 0.7
     masked_cpu = (expected_m * u).to(torch.int32).clamp(1, max_m)
     masked_m = masked_cpu.cuda()
-    out = torch.full((e_count, max_m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    print(f"flashgemm demo on {gpu}: E={e_count} max_m={max_m} N={n} K={k}, "
-          f"{int(masked_cpu.sum())} valid rows (expected_m={expected_m})")
-    t0 = time.perf_counter()
-    grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=expected_m)
-    torch.cuda.synchronize()
-    print(f"  first call (compile + run): {time.perf_counter() - t0:.1f} s")
-
     rows = masked_cpu.tolist()
-    ref = grouped_gemm_nt_masked_ref(a, b, masked_m)
-    err = max(relative_error(out[e, :m].float(), ref[e, :m]) for e, m in enumerate(rows))
-    untouched = all(bool(out[e, m:].isnan().all()) for e, m in enumerate(rows))
-    reps = 50
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=expected_m)
-    start.record()
-    for _ in range(reps):
-        grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=expected_m)
-    end.record()
-    end.synchronize()
-    us = start.elapsed_time(end) / reps * 1e3
     total = sum(rows)
-    eff_bytes = 2 * (sum(1 for m in rows if m) * n * k + total * k + total * n)
-    print(f"  max relative error vs fp32 reference: {err:.1e}; rows >= m_e untouched: {untouched}")
-    print(f"  time {us:.1f} us, {eff_bytes / us / 1e3:.0f} GB/s effective, "
-          f"{2 * total * n * k / us / 1e6:.1f} TFLOPS over valid rows")
-    return 0 if (err < 1e-2 and untouched) else 1
+    print(f"flashgemm demo on {gpu}: E={e_count} max_m={max_m} N={n} K={k}, "
+          f"{total} valid rows (expected_m={expected_m})")
+    a8, a_scale = quantize_fp8_per_token(x)
+    b8, b_scale = quantize_fp8_per_block(w)
+    nonempty = sum(1 for m in rows if m)
+    ok = True
+    for label, a, b, scales, elem in (
+        ("bf16", x, w, {}, 2),
+        ("fp8 block-scaled (1x128 / 128x128)", a8, b8, dict(a_scale=a_scale, b_scale=b_scale), 1),
+    ):
+        out = torch.full((e_count, max_m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+        def call():
+            grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=expected_m, **scales)
+
+        t0 = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        ref = grouped_gemm_nt_masked_ref(a, b, masked_m, **scales)
+        diff = max(similarity(out[e, :m].float(), ref[e, :m]) for e, m in enumerate(rows) if m)
+        untouched = all(bool(out[e, m:].isnan().all()) for e, m in enumerate(rows))
+        for _ in range(5):
+            call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reps = 50
+        start.record()
+        for _ in range(reps):
+            call()
+        end.record()
+        end.synchronize()
+        us = start.elapsed_time(end) / reps * 1e3
+        eff_bytes = elem * (nonempty * n * k + total * k) + 2 * total * n
+        print(f"  {label}: first call (compile or cache load + run) {first_s:.1f} s; "
+              f"similarity diff vs fp32 reference {diff:.1e}; rows >= m_e untouched: {untouched}")
+        print(f"    time {us:.1f} us, {eff_bytes / us / 1e3:.0f} GB/s effective, "
+              f"{2 * total * n * k / us / 1e6:.1f} TFLOPS over valid rows")
+        ok &= diff < 1e-3 and untouched
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:
