@@ -91,7 +91,8 @@ def main():
         sys.exit("bench_overlap.py needs a CUDA GPU")
     spec = json.load(open(CASES_FILE))
     cases = [c for c in spec["cases"] if c["regime"] == "decode" and (not args.cases or c["name"] in args.cases)]
-    rows = [run_case(c, i, args.combine_sms, args.reps) for i, c in enumerate(cases)]
+    # seed = the case's place in the file, as in bench.py (same masked_m draws)
+    rows = [run_case(c, spec["cases"].index(c), args.combine_sms, args.reps) for c in cases]
     print(f"Device: {torch.cuda.get_device_name()}; combine on {args.combine_sms} SMs, GEMM on the rest")
     print("| case | GEMM us | + signals us | memset us | signal cost | GEMM split us | combine split us "
           "| sequential us | overlapped us | overlapped / longer alone |")
