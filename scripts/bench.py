@@ -32,11 +32,36 @@ from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error  # no
 CASES_FILE = os.path.join(os.path.dirname(__file__), "moe_cases.json")
 
 
-def draw_masked_m(case, seed):
-    """masked_m as the case file describes: clamp(int(expected_m * U(0.7, 1.3)), 1, max_m)."""
+DISTRIBUTIONS = ("uniform", "skewed", "sparse", "empty")
+
+
+def draw_masked_m(case, seed, dist="uniform"):
+    """masked_m for a case.
+
+    uniform (the case file's rule): clamp(int(expected_m * U(0.7, 1.3)), 1, max_m).
+    skewed: a few hot experts (E // 8, at least one) get 4x expected_m, the others
+        share the rest of the same total; sparse: a quarter of the experts (at least
+        one) get the uniform draw, the others none; empty: every expert empty.
+    """
+    e, mean, max_m = case["E"], case["expected_m"], case["max_m"]
     g = torch.Generator().manual_seed(seed)
-    u = torch.rand(case["E"], generator=g) * 0.6 + 0.7
-    m = (case["expected_m"] * u).to(torch.int64).clamp(1, case["max_m"])
+    u = torch.rand(e, generator=g) * 0.6 + 0.7
+    if dist == "uniform":
+        m = (mean * u).to(torch.int64).clamp(1, max_m)
+    elif dist == "skewed":
+        hot = max(1, e // 8)
+        cold_mean = max(1.0, (e * mean - hot * 4 * mean) / max(1, e - hot))
+        scale = torch.full((e,), cold_mean)
+        scale[torch.randperm(e, generator=g)[:hot]] = 4.0 * mean
+        m = (scale * u).to(torch.int64).clamp(1, max_m)
+    elif dist == "sparse":
+        m = torch.zeros(e, dtype=torch.int64)
+        live = torch.randperm(e, generator=g)[: max(1, e // 4)]
+        m[live] = (mean * u[live]).to(torch.int64).clamp(1, max_m)
+    elif dist == "empty":
+        m = torch.zeros(e, dtype=torch.int64)
+    else:
+        raise ValueError(f"unknown distribution {dist!r}; one of {DISTRIBUTIONS}")
     return m.to(torch.int32)
 
 
@@ -97,13 +122,13 @@ def copy_bandwidth_gbps():
     return 2 * x.numel() / ms / 1e6
 
 
-def run_fp8_case(case, seed, reps, sweep=False):
+def run_fp8_case(case, seed, reps, sweep=False, dist="uniform"):
     """Block-scaled fp8 (1x128 / 128x128) against torch's rowwise-scaled fp8 grouped GEMM."""
     from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token
     from flashgemm.reference import similarity
 
     e_count, max_m, n, k = case["E"], case["max_m"], case["N"], case["K"]
-    masked_cpu = draw_masked_m(case, seed)
+    masked_cpu = draw_masked_m(case, seed, dist)
     rows = masked_cpu.tolist()
     total_rows = sum(rows)
     dev = "cuda"
@@ -122,15 +147,15 @@ def run_fp8_case(case, seed, reps, sweep=False):
             a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, expected_m=case["expected_m"]
         )
 
+    top = max(1, max(rows))
     ref = grouped_gemm_nt_masked_ref(
-        a[:, : max(rows)], b, masked_m.clamp(max=max(rows)),
-        a_scale=a_scale[:, : max(rows)], b_scale=b_scale,
+        a[:, :top], b, masked_m.clamp(max=top), a_scale=a_scale[:, :top], b_scale=b_scale
     )
 
     def max_diff():
         torch.cuda.synchronize()
         diffs = [similarity(out[e, : rows[e]].float(), ref[e, : rows[e]]) for e in range(e_count) if rows[e]]
-        return float("inf") if any(x != x for x in diffs) else max(diffs)
+        return float("inf") if any(x != x for x in diffs) else max(diffs, default=0.0)
 
     results = {}
     ours()
@@ -172,19 +197,23 @@ def run_fp8_case(case, seed, reps, sweep=False):
             ),
             reps=reps,
         )
-    except (RuntimeError, AttributeError) as exc:  # torch build without it
-        print(f"{case['name']}: torch._scaled_grouped_mm unavailable: {exc}", flush=True)
+    except (RuntimeError, AttributeError) as exc:  # torch build without it, or no rows
+        print(f"{case['name']}: torch._scaled_grouped_mm not timed: {exc}", flush=True)
     return {
-        "case": case["name"], "dtype": "fp8", "regime": case["regime"],
+        "case": _label(case, dist), "dtype": "fp8", "regime": case["regime"], "dist": dist,
         "E": e_count, "max_m": max_m, "N": n, "K": k, "valid_rows": total_rows,
         "max_similarity_diff": max(errs), "sweep_max_similarity_diff": sweep_err,
         "flops": flops, "eff_bytes": eff_bytes, "ms": results,
     }
 
 
-def run_case(case, seed, reps, host=False, sweep=False):
+def _label(case, dist):
+    return case["name"] if dist == "uniform" else f"{case['name']} [{dist}]"
+
+
+def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
     e_count, max_m, n, k = case["E"], case["max_m"], case["N"], case["K"]
-    masked_cpu = draw_masked_m(case, seed)
+    masked_cpu = draw_masked_m(case, seed, dist)
     rows = masked_cpu.tolist()
     total_rows = sum(rows)
     dev = "cuda"
@@ -204,11 +233,12 @@ def run_case(case, seed, reps, host=False, sweep=False):
         flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=case["expected_m"])
 
     ours()
-    ref = grouped_gemm_nt_masked_ref(a[:, : max(rows)], b, masked_m.clamp(max=max(rows)))
+    top = max(1, max(rows))
+    ref = grouped_gemm_nt_masked_ref(a[:, :top], b, masked_m.clamp(max=top))
 
     def max_err():
         errs = [relative_error(out[e, : rows[e]].float(), ref[e, : rows[e]]) for e in range(e_count) if rows[e]]
-        return float("inf") if any(x != x for x in errs) else max(errs)  # NaN = unwritten
+        return float("inf") if any(x != x for x in errs) else max(errs, default=0.0)  # NaN = unwritten
 
     errs = [max_err()]
     results["flashgemm"] = time_graph(ours, reps=reps)
@@ -243,11 +273,15 @@ def run_case(case, seed, reps, host=False, sweep=False):
     results["torch_grouped_mm_3d"] = time_graph(lambda: torch._grouped_mm(a, bt), reps=reps)
     a_packed = torch.cat([a[e, : rows[e]] for e in range(e_count)])
     offs = torch.cumsum(masked_cpu, 0).to(torch.int32).to(dev)
-    results["torch_grouped_mm_packed"] = time_graph(
-        lambda: torch._grouped_mm(a_packed, bt, offs=offs), reps=reps
-    )
+    try:
+        results["torch_grouped_mm_packed"] = time_graph(
+            lambda: torch._grouped_mm(a_packed, bt, offs=offs), reps=reps
+        )
+    except RuntimeError as exc:  # no valid rows at all
+        print(f"{case['name']}: torch._grouped_mm packed not timed: {exc}", flush=True)
     return {
-        "case": case["name"],
+        "case": _label(case, dist),
+        "dist": dist,
         "dtype": "bf16",
         "regime": case["regime"],
         "E": e_count, "max_m": max_m, "N": n, "K": k,
@@ -278,12 +312,15 @@ def to_markdown(rows, copy_gbps, device, cmd):
         ms = r["ms"]
         us = ms["flashgemm"] * 1e3
         gbps = r["eff_bytes"] / ms["flashgemm"] / 1e6
+        packed = ms.get("torch_grouped_mm_packed")
         lines.append(
             f"| {r['case']} | {r['regime']} | {us:.1f} | {ms['flashgemm_eager'] * 1e3:.1f} | "
             f"{r['flops'] / ms['flashgemm'] / 1e9:.0f} | "
-            f"{gbps:.0f} | {100 * gbps / copy_gbps:.0f}% | {ms['torch_grouped_mm_packed'] * 1e3:.1f} | "
-            f"{ms['torch_grouped_mm_3d'] * 1e3:.1f} | {ms['torch_grouped_mm_packed'] / ms['flashgemm']:.2f}x | "
-            f"{ms['torch_grouped_mm_3d'] / ms['flashgemm']:.2f}x | {r['max_rel_err']:.1e} |"
+            f"{gbps:.0f} | {100 * gbps / copy_gbps:.0f}% | "
+            + (f"{packed * 1e3:.1f} | " if packed else "n/a | ")
+            + f"{ms['torch_grouped_mm_3d'] * 1e3:.1f} | "
+            + (f"{packed / ms['flashgemm']:.2f}x | " if packed else "n/a | ")
+            + f"{ms['torch_grouped_mm_3d'] / ms['flashgemm']:.2f}x | {r['max_rel_err']:.1e} |"
         )
     return "\n".join(lines)
 
@@ -327,6 +364,8 @@ def main():
     p.add_argument("--sweep", action="store_true", help="also time every heuristic config")
     p.add_argument("--md", help="write the markdown table here")
     p.add_argument("--dtype", choices=["bf16", "fp8", "both"], default="bf16")
+    p.add_argument("--dist", choices=DISTRIBUTIONS, default="uniform",
+                   help="masked_m distribution (uniform = the case file's rule)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU (none found)")
@@ -340,12 +379,12 @@ def main():
         # the same masked_m as a full run
         seed = args.seed + spec["cases"].index(case)
         if args.dtype in ("bf16", "both"):
-            r = run_case(case, seed, args.reps, host=(i == 0), sweep=args.sweep)
+            r = run_case(case, seed, args.reps, host=(i == 0), sweep=args.sweep, dist=args.dist)
             rows.append(r)
             print(f"{r['case']}: " + ", ".join(f"{k}={v * 1e3:.1f}us" for k, v in r["ms"].items())
                   + (f", flashgemm host {r['host_us']:.1f}us/call" if r["host_us"] else ""), flush=True)
         if args.dtype in ("fp8", "both"):
-            r = run_fp8_case(case, seed, args.reps, sweep=args.sweep)
+            r = run_fp8_case(case, seed, args.reps, sweep=args.sweep, dist=args.dist)
             fp8_rows.append(r)
             print(f"{r['case']} fp8: " + ", ".join(f"{k}={v * 1e3:.1f}us" for k, v in r["ms"].items()),
                   flush=True)
