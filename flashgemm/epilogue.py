@@ -62,12 +62,16 @@ class TileEpilogue(_NoLoopState):
         out_dtype,
         consumer_tidx: Int32,
         epi_barrier: pipeline.NamedBarrier,  # consumers + the store warp
+        consumer_barrier: pipeline.NamedBarrier,  # the consumers alone
+        epi_tile: tuple,
     ):
         self.accumulators = accumulators
         self.gD_mem = gD_mem
         self.tile_mn = tile_mn
         self.out_dtype = out_dtype
         self.epi_barrier = epi_barrier
+        self.consumer_barrier = consumer_barrier
+        self.epi_tile = epi_tile
         self.thr_mma = tiled_mma.get_slice(consumer_tidx)
         # register -> smem copy through stmatrix, tiled like the accumulators
         copy_atom_r2s = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, out_dtype, cutlass.Float32)
@@ -78,8 +82,21 @@ class TileEpilogue(_NoLoopState):
         self.tRS_sD = thr_copy_r2s.partition_D(sD)
         self.tRS_rAcc = self.tiled_copy_r2s.retile(accumulators)
         self.rD_shape = cute.shape(thr_copy_r2s.partition_S(sD))[:3]
-        # coordinates of each accumulator element inside the tile, for predication
-        self.tCcD = self.thr_mma.partition_C(cute.make_identity_tensor(tile_mn))
+        # Partial tiles go back out of the staging buffer in 16-byte row pieces
+        # (4 threads per 32-column row), each stored only if its row is valid.
+        num_threads = consumer_barrier.num_threads
+        copy_atom_s2g = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=128
+        )
+        self.tiled_copy_s2g = cute.make_tiled_copy_tv(
+            copy_atom_s2g,
+            cute.make_layout((num_threads // 4, 4), stride=(4, 1)),
+            cute.make_layout((1, 8)),
+        )
+        thr_copy_s2g = self.tiled_copy_s2g.get_slice(consumer_tidx)
+        self.tSG_sD = thr_copy_s2g.partition_S(sD[(None, None, 0)])
+        self.tSG_cD = thr_copy_s2g.partition_D(cute.make_identity_tensor(epi_tile))
+        self.thr_copy_s2g = thr_copy_s2g
 
     @cute.jit
     def store(
@@ -100,16 +117,22 @@ class TileEpilogue(_NoLoopState):
                 self.epi_barrier.arrive_and_wait()
 
     @cute.jit
-    def _stage_full(self, epi_tiles: cutlass.Constexpr):
-        num_bufs = cute.size(self.tRS_sD, mode=[3])
+    def _stage(self, epi_idx: cutlass.Constexpr, buf: cutlass.Constexpr):
+        """Convert sub-tile ``epi_idx`` of the accumulators and stmatrix it into
+        staging buffer ``buf``."""
         tRS_rD = cute.make_rmem_tensor(self.rD_shape, cutlass.Float32)
         tRS_rD_out = cute.make_rmem_tensor(self.rD_shape, self.out_dtype)
         size_rD = cute.size(tRS_rD)
+        for v in cutlass.range_constexpr(size_rD):
+            tRS_rD[v] = self.tRS_rAcc[epi_idx * size_rD + v]
+        tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
+        cute.copy(self.tiled_copy_r2s, tRS_rD_out, self.tRS_sD[(None, None, None, buf)])
+
+    @cute.jit
+    def _stage_full(self, epi_tiles: cutlass.Constexpr):
+        num_bufs = cute.size(self.tRS_sD, mode=[3])
         for epi_idx in cutlass.range_constexpr(epi_tiles):
-            for v in cutlass.range_constexpr(size_rD):
-                tRS_rD[v] = self.tRS_rAcc[epi_idx * size_rD + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.out_dtype))
-            cute.copy(self.tiled_copy_r2s, tRS_rD_out, self.tRS_sD[(None, None, None, epi_idx % num_bufs)])
+            self._stage(epi_idx, epi_idx % num_bufs)
             # stmatrix writes are generic-proxy; the bulk store reads through
             # the async proxy
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -120,13 +143,24 @@ class TileEpilogue(_NoLoopState):
     def _store_partial(
         self, expert: Int32, m_block: Int32, n_block: Int32, valid_rows: Int32, n_total: Int32
     ):
+        """Rows < valid_rows only: each sub-tile is staged in buffer 0 (free: the
+        store warp's last bulk store of a full tile reads buffer 1, and it waited
+        for buffer 0's), then read back in 16-byte row pieces that are stored
+        if their row is valid and their columns lie inside N (N % 8 == 0)."""
         gD_tile = self.gD_mem[(None, None, m_block, n_block, expert)]
-        tCgD = self.thr_mma.partition_C(gD_tile)
         n_rem = n_total - n_block * self.tile_mn[1]
-        for i in cutlass.range_constexpr(cute.size(self.accumulators)):
-            row, col = self.tCcD[i]
-            if (row < valid_rows) & (col < n_rem):
-                tCgD[i] = self.out_dtype(self.accumulators[i])
+        for epi_idx in cutlass.range_constexpr(epi_tile_count(self.tile_mn)):
+            self._stage(epi_idx, 0)
+            self.consumer_barrier.arrive_and_wait()  # sub-tile staged
+            tSG_gD = self.thr_copy_s2g.partition_D(cute.local_tile(gD_tile, self.epi_tile, (0, epi_idx)))
+            for m in cutlass.range_constexpr(cute.size(tSG_gD, mode=[1])):
+                for n in cutlass.range_constexpr(cute.size(tSG_gD, mode=[2])):
+                    row, col = self.tSG_cD[(0, m, n)]
+                    if (row < valid_rows) & (epi_idx * self.epi_tile[1] + col < n_rem):
+                        cute.copy(
+                            self.tiled_copy_s2g, self.tSG_sD[(None, m, n)], tSG_gD[(None, m, n)]
+                        )
+            self.consumer_barrier.arrive_and_wait()  # buffer 0 read: free again
 
 
 def epi_tile_count(tile_mn) -> int:

@@ -316,6 +316,8 @@ class MaskedGroupedGemmSm90:
         # named barrier 1: the consumers and the store warp, around each
         # staged sub-tile and each published partial tile
         epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads + 32)
+        # named barrier 2: the consumers alone, around the staging of partial tiles
+        consumer_barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_consumer_threads)
         tile_mn = (self.tile_mnk[0], self.tile_mnk[1])
         signals = self.signal_mode is not None
         num_m_slots = (max_m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
@@ -396,7 +398,8 @@ class MaskedGroupedGemmSm90:
                 rows = (tCcC[0][0], tCcC[2][0])
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             epi = TileEpilogue(
-                tiled_mma, accumulators, sD, gD_mem, tile_mn, self.out_dtype, consumer_tidx, epi_barrier
+                tiled_mma, accumulators, sD, gD_mem, tile_mn, self.out_dtype, consumer_tidx,
+                epi_barrier, consumer_barrier, self.epi_tile,
             )
             sched = MaskedTileScheduler.create(
                 mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], bidx, gdim,
