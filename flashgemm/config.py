@@ -194,18 +194,16 @@ def choose_config(
       gate_up, 188.1, but lost down, 129.5 vs 113.5, so it is not chosen);
     * expected_m 1024: 128x256 (dsv3-prefill gate_up 435 vs 457 us for 128x128).
 
-    fp8 (sweep of 10 configs, same day, `bench.py --dtype fp8 --sweep`): 64x128
-    with one consumer warpgroup wins every case up to expected_m 64
-    (qwen3-235b-ep8 down 49.1 us vs 55.8 for 128x64 and 53.0 for 128x128) and
-    expected_m 128 with K <= 4096 (dsv3-ep32 down 67.2 vs 73.7 for 128x128: more,
-    smaller units fill the last wave); with K = 7168 128x128 wins (dsv3-ep32
-    gate_up 107.2 vs 116.2), and in prefill (dsv3-prefill gate_up 247-272 us vs
-    312 for 128x192 and 351 for 64x128).
+    fp8 (`bench.py --dtype both --sweep`, same day, after partial tiles moved to
+    16-byte stores): 64x128 with one consumer warpgroup for expected_m 32
+    (dsv3-ep8 gate_up 340.7 us vs 359.4 for 128x128, down 183.2 vs 196.6); 128x128
+    from expected_m 64 up (qwen3-235b-ep8 gate_up 81.3 vs 87.3 for 64x128, down
+    45.6 vs 48.1; dsv3-ep32 down 60.1 vs 61.3, gate_up 100.8 vs 111.1;
+    dsv3-prefill gate_up 247-272 vs 351).
     """
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     if fp8:
-        small = m <= 96 or (m <= 256 and k <= 4096)
-        cfg = FP8_DECODE_CONFIG if small else FP8_MID_CONFIG
+        cfg = FP8_DECODE_CONFIG if m <= 48 else FP8_MID_CONFIG
     elif m <= 48:
         cfg = DECODE_CONFIG
     elif m <= 96:

@@ -51,7 +51,8 @@ def test_fp8_heuristic_regimes():
     from flashgemm.config import FP8_DECODE_CONFIG, FP8_HEURISTIC_CONFIGS, FP8_MID_CONFIG
 
     assert choose_config(32, 1024, 4096, 7168, 132, fp8=True) == FP8_DECODE_CONFIG
-    assert choose_config(128, 4096, 7168, 2048, 132, fp8=True) == FP8_DECODE_CONFIG
+    assert choose_config(64, 1024, 4096, 1536, 132, fp8=True) == FP8_MID_CONFIG
+    assert choose_config(128, 4096, 7168, 2048, 132, fp8=True) == FP8_MID_CONFIG
     assert choose_config(128, 4096, 4096, 7168, 132, fp8=True) == FP8_MID_CONFIG
     assert choose_config(1024, 4096, 4096, 7168, 132, fp8=True) == FP8_MID_CONFIG
     single = choose_config(32, 1024, 4096, 7168, 1, fp8=True)
