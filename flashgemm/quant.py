@@ -36,7 +36,11 @@ def _pad_last(x: torch.Tensor, dim: int) -> torch.Tensor:
 def _scale_from_amax(amax: torch.Tensor, power_of_two: bool) -> torch.Tensor:
     scale = amax.float().clamp(min=_MIN_AMAX) / FP8_E4M3_MAX
     if power_of_two:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        # 2**ceil(log2(s)) from the exponent bits: scale = mant * 2**exp with
+        # mant in [0.5, 1), so it is 2**(exp - 1) when mant == 0.5, else 2**exp.
+        # (float32 log2 rounds s = 2**k * (1 + 2**-23) to k, one power short.)
+        mant, exp = torch.frexp(scale)
+        scale = torch.ldexp(torch.ones_like(scale), exp - (mant == 0.5).to(exp.dtype))
     return scale
 
 
