@@ -12,6 +12,14 @@ by a full/empty mbarrier pair (``cutlass.pipeline.PipelineTmaAsync``):
   CTA that wrote into it) once the wgmma group that read it has retired (one wgmma group stays in flight, so
   the tensor cores never wait for the release round trip).
 
+Block-scaled fp8 (``consume_tile_blockscaled``): a stage is one 128-wide scale
+block and also carries the tile's activation scales (one more TMA load into
+the same slot, counted in the same transaction bytes). Each k-tile's products
+are accumulated from zero, waited for, and promoted on the CUDA cores with the
+row's activation scale times the block's weight scale. Keeping a second k-tile
+in flight during the promotion (two product accumulators) was tried and was
+6-25% slower on H100 (docs/benchmarks.md).
+
 Rows past ``max_m`` and columns past K are zero-filled by the TMA unit, so a
 partial m/k tile needs no special case here; rows between ``m_e`` and the end
 of the tile are real (unused) rows of the same expert and never reach the
