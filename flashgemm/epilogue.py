@@ -59,7 +59,7 @@ class TileEpilogue(_NoLoopState):
         tiled_mma: cute.TiledMma,
         accumulators: cute.Tensor,
         sD: cute.Tensor,  # (EPI_M, EPI_N, EPI_STAGES) swizzled staging buffer
-        gD_mem: cute.Tensor,  # (BM, BN, RestM, RestN, E) the real output, for SIMT stores
+        gD_mem: cute.Tensor,  # (BM, BN, RestM, RestN, E) the real output, for the partial-tile stores
         tile_mn: tuple,
         out_dtype,
         consumer_tidx: Int32,

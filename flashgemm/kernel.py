@@ -61,7 +61,7 @@ class MaskedGroupedGemmSm90:
     * warpgroups 1..W: the **consumers**. Each owns 64 rows of the tile,
       issues wgmma from the ring, then runs the epilogue on its accumulators
       (``TileEpilogue``): staging full tiles in shared memory for the store
-      warp, or predicated stores for partial ones. For block-scaled fp8 each
+      warp, or storing only the valid rows of partial ones. For block-scaled fp8 each
       k-tile is one 128-wide scale block: its products are promoted into the
       accumulators with the row's activation scale (which the producer loads
       by TMA into the same ring slot as the operands) times the weight scale.
