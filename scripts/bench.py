@@ -310,19 +310,31 @@ def to_markdown(rows, copy_gbps, device, cmd):
     ]
     for r in rows:
         ms = r["ms"]
-        us = ms["flashgemm"] * 1e3
-        gbps = r["eff_bytes"] / ms["flashgemm"] / 1e6
+        us, tflops, gbps, pct = _rates(r, copy_gbps)
         packed = ms.get("torch_grouped_mm_packed")
         lines.append(
-            f"| {r['case']} | {r['regime']} | {us:.1f} | {ms['flashgemm_eager'] * 1e3:.1f} | "
-            f"{r['flops'] / ms['flashgemm'] / 1e9:.0f} | "
-            f"{gbps:.0f} | {100 * gbps / copy_gbps:.0f}% | "
-            + (f"{packed * 1e3:.1f} | " if packed else "n/a | ")
-            + f"{ms['torch_grouped_mm_3d'] * 1e3:.1f} | "
-            + (f"{packed / ms['flashgemm']:.2f}x | " if packed else "n/a | ")
-            + f"{ms['torch_grouped_mm_3d'] / ms['flashgemm']:.2f}x | {r['max_rel_err']:.1e} |"
+            f"| {r['case']} | {r['regime']} | {us} | {ms['flashgemm_eager'] * 1e3:.1f} | {tflops} | "
+            f"{gbps} | {pct} | {_us(packed)} | {_us(ms['torch_grouped_mm_3d'])} | "
+            f"{_ratio(packed, ms['flashgemm'])} | {_ratio(ms['torch_grouped_mm_3d'], ms['flashgemm'])} | "
+            f"{r['max_rel_err']:.1e} |"
         )
     return "\n".join(lines)
+
+
+def _rates(r, copy_gbps):
+    """(us, TFLOPS, GB/s, % of copy bandwidth) cells of our time for one row."""
+    ms = r["ms"]["flashgemm"]
+    gbps = r["eff_bytes"] / ms / 1e6
+    return f"{ms * 1e3:.1f}", f"{r['flops'] / ms / 1e9:.0f}", f"{gbps:.0f}", f"{100 * gbps / copy_gbps:.0f}%"
+
+
+def _us(peer_ms):
+    return f"{peer_ms * 1e3:.1f}" if peer_ms else "n/a"
+
+
+def _ratio(peer_ms, ours_ms):
+    """A peer's time over ours (>1: we are faster), or n/a."""
+    return f"{peer_ms / ours_ms:.2f}x" if peer_ms else "n/a"
 
 
 def fp8_markdown(rows, copy_gbps, device, cmd, deepgemm):
@@ -341,16 +353,14 @@ def fp8_markdown(rows, copy_gbps, device, cmd, deepgemm):
     ]
     for r in rows:
         ms = r["ms"]
-        us = ms["flashgemm"] * 1e3
-        gbps = r["eff_bytes"] / ms["flashgemm"] / 1e6
+        us, tflops, gbps, pct = _rates(r, copy_gbps)
         peer = ms.get("torch_scaled_grouped_mm_packed")
-        dg = deepgemm.get(r["case"], {}).get("deepgemm_fp8_us")
+        dg_us = deepgemm.get(r["case"], {}).get("deepgemm_fp8_us")
+        dg = dg_us / 1e3 if dg_us else None
         lines.append(
-            f"| {r['case']} | {r['regime']} | {us:.1f} | {r['flops'] / ms['flashgemm'] / 1e9:.0f} | "
-            f"{gbps:.0f} | {100 * gbps / copy_gbps:.0f}% | "
-            + (f"{peer * 1e3:.1f} | {peer / ms['flashgemm']:.2f}x | " if peer else "n/a | n/a | ")
-            + (f"{dg:.1f} | {dg / us:.2f}x | " if dg else "n/a | n/a | ")
-            + f"{r['max_similarity_diff']:.1e} |"
+            f"| {r['case']} | {r['regime']} | {us} | {tflops} | {gbps} | {pct} | "
+            f"{_us(peer)} | {_ratio(peer, ms['flashgemm'])} | {_us(dg)} | {_ratio(dg, ms['flashgemm'])} | "
+            f"{r['max_similarity_diff']:.1e} |"
         )
     return "\n".join(lines)
 
