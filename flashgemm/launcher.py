@@ -1,240 +1,28 @@
-"""The public op: validate torch tensors, pick a configuration, launch.
-
-Every check runs on the host before the launch and reads only metadata
-(shapes, strides, pointers, device): masked_m's *contents* are never read on
-the host, so the call stays sync-free and CUDA-graph capturable.
+"""The public op: pick a configuration and launch, after the checks of
+``validation`` (run once per argument signature; the address checks on every call).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
 from .config import GemmConfig, choose_config
 from .signals import SignalLayout, check_granularity, make_signal_layout, validate_signals
-
-_AB_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
-_FP8 = torch.float8_e4m3fn
-_SCALE_BLOCK = 128  # 1x128 activation / 128x128 weight scale blocks
-_TMA_ALIGN = 16  # bytes: TMA base address and stride granularity
-_MAX_DIM = 2**31 - 1  # extents are int32 in the kernel
-
-
-def _check_tensor(name: str, t, rank: int, dtypes: Sequence[torch.dtype]) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
-    if t.dim() != rank:
-        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(t.shape)}")
-
-
-def _check_tma_operand(name: str, t: torch.Tensor, inner: str, is_input: bool = True) -> tuple[int, int]:
-    """Inner dim contiguous, outer strides and base 16-byte aligned.
-
-    Returns the tensor's byte span [start, end) for the aliasing checks.
-    (Each torch accessor costs ~0.3 us on the host: read each once.)"""
-    stride = t.stride()
-    shape = t.shape
-    es = t.element_size()
-    if stride[2] != 1:
-        raise ValueError(
-            f"{name} must be contiguous along {inner} (stride 1), got strides {tuple(stride)}"
-        )
-    for dim in (0, 1):
-        if is_input and stride[dim] == 0 and shape[dim] > 1:
-            # broadcast views: we build no TMA descriptors with zero strides
-            # (out gets the self-overlap check instead)
-            raise ValueError(f"{name}.stride({dim}) is 0 (a broadcast view); pass a materialized tensor")
-        if (stride[dim] * es) % _TMA_ALIGN:
-            raise ValueError(
-                f"{name}.stride({dim}) = {stride[dim]} elements is not a multiple of "
-                f"{_TMA_ALIGN} bytes (TMA requirement)"
-            )
-    ptr = t.data_ptr()
-    if ptr % _TMA_ALIGN:
-        raise ValueError(f"{name} base address must be {_TMA_ALIGN}-byte aligned")
-    for dim in (0, 1, 2):
-        if shape[dim] > _MAX_DIM:
-            raise ValueError(f"{name}.shape[{dim}] = {shape[dim]} exceeds {_MAX_DIM}")
-    return _span(ptr, shape, stride, es)
-
-
-def _check_no_self_overlap(name: str, t: torch.Tensor) -> None:
-    """Distinct elements at distinct addresses (out is written concurrently).
-
-    Sufficient test for any dim order: sorted by stride, each stride reaches
-    past the whole extent of the dims inside it (permuted layouts pass)."""
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
-    extent = 1
-    for st, sz in dims:
-        if st < extent:
-            raise ValueError(
-                f"{name} must not overlap itself in memory (strides {tuple(t.stride())} "
-                f"for shape {tuple(t.shape)})"
-            )
-        extent = st * sz
-
-
-def _span_1d(t: torch.Tensor) -> tuple[int, int]:
-    ptr = t.data_ptr()
-    return ptr, ptr + ((t.shape[0] - 1) * t.stride(0) + 1) * t.element_size()
-
-
-def _span(ptr: int, shape, stride, element_size: int) -> tuple[int, int]:
-    last = sum((size - 1) * st for size, st in zip(shape, stride))
-    return ptr, ptr + (last + 1) * element_size
-
-
-def _byte_span_3d(t: torch.Tensor) -> tuple[int, int]:
-    return _span(t.data_ptr(), t.shape, t.stride(), t.element_size())
-
-
-def _overlaps(x: tuple[int, int], y: tuple[int, int]) -> bool:
-    return x[0] < y[1] and y[0] < x[1]
-
-
-def _check_scales(a, b, a_scale, b_scale, e_count, max_m, n, k) -> None:
-    """fp8 operands come with both scale tensors, 16-bit operands with none."""
-    fp8 = a.dtype == _FP8
-    if not fp8:
-        for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
-            if t is not None:
-                raise ValueError(f"{name} is only for float8_e4m3fn operands; a and b are {a.dtype}")
-        return
-    for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
-        if t is None:
-            raise ValueError(f"float8_e4m3fn operands need {name} (block-scaled fp8); got None")
-    _check_tensor("a_scale", a_scale, 3, (torch.float32,))
-    _check_tensor("b_scale", b_scale, 3, (torch.float32,))
-    k_blocks = -(-k // _SCALE_BLOCK)
-    want_a = (e_count, max_m, k_blocks)
-    if tuple(a_scale.shape) != want_a:
-        raise ValueError(
-            f"a_scale must have shape (E, max_m, ceil(K/128)) = {want_a}, got {tuple(a_scale.shape)}"
-        )
-    want_b = (e_count, -(-n // _SCALE_BLOCK), k_blocks)
-    if tuple(b_scale.shape) != want_b:
-        raise ValueError(
-            f"b_scale must have shape (E, ceil(N/128), ceil(K/128)) = {want_b}, got {tuple(b_scale.shape)}"
-        )
-    st = a_scale.stride()
-    if st[1] != 1 and st[2] != 1:
-        raise ValueError(
-            "a_scale must be contiguous along M (stride(1) == 1, the TMA layout) or along "
-            f"the K blocks (stride(2) == 1), got strides {tuple(st)}"
-        )
-
-
-def tma_ready_a_scale(a_scale: torch.Tensor, check_only: bool = False):
-    """``a_scale`` itself when the kernel can TMA-load it (M contiguous, other
-    strides and the base 16-byte aligned), else a copy in that layout (one
-    small extra kernel per call: the slower path). ``check_only``: just say
-    whether a copy is needed."""
-    st = a_scale.stride()
-    in_place = st[1] == 1 and st[0] % 4 == 0 and st[2] % 4 == 0 and a_scale.data_ptr() % _TMA_ALIGN == 0
-    if check_only:
-        return not in_place
-    if in_place:
-        return a_scale
-    e_count, max_m, k_blocks = a_scale.shape
-    m_pad = -(-max_m // 4) * 4
-    tma = torch.empty((e_count, k_blocks, m_pad), dtype=torch.float32, device=a_scale.device)
-    tma = tma.transpose(1, 2)[:, :max_m]
-    tma.copy_(a_scale)
-    return tma
-
-
-def validate_args(a, b, out, masked_m, a_scale=None, b_scale=None) -> tuple[int, int, int, int]:
-    """Shape, dtype, stride and aliasing checks. Returns (E, max_m, N, K)."""
-    _check_tensor("a", a, 3, _AB_DTYPES)
-    if isinstance(b, torch.Tensor) and b.dtype != a.dtype and b.dtype in _AB_DTYPES:
-        raise TypeError(f"a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
-    _check_tensor("b", b, 3, (a.dtype,))
-    _check_tensor("masked_m", masked_m, 1, (torch.int32,))
-    e_count, max_m, k = a.shape
-    b_e, n, b_k = b.shape
-    if e_count < 1:
-        raise ValueError(f"a must hold at least one expert, got shape {tuple(a.shape)}")
-    if max_m < 1:
-        raise ValueError(f"a.shape[1] (max_m) must be >= 1, got {max_m}")
-    if b_e != e_count:
-        raise ValueError(f"b.shape[0] must equal the expert count E={e_count} of a, got {b_e}")
-    if b_k != k:
-        raise ValueError(f"b.shape[2] must equal K={k} of a, got {b_k}")
-    # 16-byte TMA rows: K % 8 for 16-bit operands, K % 16 for fp8 (N likewise,
-    # for the fp8 weight rows' own 16-byte rule)
-    mult = 16 if a.dtype == _FP8 else 8
-    if k < mult or k % mult:
-        raise ValueError(f"K (a.shape[2]) must be a positive multiple of {mult}, got {k}")
-    if n < mult or n % mult:
-        raise ValueError(f"N (b.shape[1]) must be a positive multiple of {mult}, got {n}")
-    if masked_m.shape[0] != e_count:
-        raise ValueError(f"masked_m must have E={e_count} entries, got {masked_m.shape[0]}")
-    if masked_m.stride(0) != 1 and e_count > 1:
-        raise ValueError(f"masked_m must be contiguous, got stride {masked_m.stride(0)}")
-    _check_scales(a, b, a_scale, b_scale, e_count, max_m, n, k)
-    if out is not None:
-        _check_tensor("out", out, 3, (out_dtype(a.dtype),))
-        if tuple(out.shape) != (e_count, max_m, n):
-            raise ValueError(
-                f"out must have shape (E, max_m, N) = {(e_count, max_m, n)}, got {tuple(out.shape)}"
-            )
-    span_a = _check_tma_operand("a", a, "K")
-    span_b = _check_tma_operand("b", b, "K")
-    if out is not None:
-        span_out = _check_tma_operand("out", out, "N", is_input=False)
-        _check_no_self_overlap("out", out)
-        others = [("a", span_a), ("b", span_b), ("masked_m", _span_1d(masked_m))]
-        for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
-            if t is not None:
-                others.append((name, _byte_span_3d(t)))
-        for other_name, span in others:
-            if _overlaps(span_out, span):
-                raise ValueError(f"out must not overlap {other_name} in memory")
-    return e_count, max_m, n, k
-
-
-def out_dtype(ab_dtype: torch.dtype) -> torch.dtype:
-    """fp8 products are written as bf16; 16-bit ones in their own dtype."""
-    return torch.bfloat16 if ab_dtype == _FP8 else ab_dtype
-
-
-def validate_device(
-    tensors: dict, num_sms: Optional[int], capability: tuple[int, int], sm_count: int, name: str = ""
-) -> int:
-    """Device checks from given device facts (pure, so CPU tests can drive it).
-
-    ``tensors`` maps argument names to tensors that must share one CUDA device.
-    Returns the persistent-grid cap.
-    """
-    devices = {}
-    for arg, t in tensors.items():
-        if t is None:
-            continue
-        if t.device.type != "cuda":
-            raise ValueError(f"{arg} must be on a CUDA device, got {t.device}")
-        devices[arg] = t.device
-    first_arg, first = next(iter(devices.items()))
-    for arg, dev in devices.items():
-        if dev != first:
-            raise ValueError(f"{arg} is on {dev} but {first_arg} is on {first}; all must share one device")
-    if tuple(capability) != (9, 0):
-        raise ValueError(
-            f"flashgemm's kernels need an sm_90 (Hopper) GPU; {first} is "
-            f"{name + ' ' if name else ''}sm_{capability[0]}{capability[1]}"
-        )
-    if num_sms is None:
-        return sm_count
-    if isinstance(num_sms, bool) or not isinstance(num_sms, int):
-        raise TypeError(f"num_sms must be an int, got {type(num_sms).__name__}")
-    if not 1 <= num_sms <= sm_count:
-        raise ValueError(f"num_sms must be in [1, {sm_count}] on {first}, got {num_sms}")
-    return num_sms
-
+from .validation import (
+    _FP8,
+    _TMA_ALIGN,
+    _byte_span_3d,
+    _overlaps,
+    _span,
+    _span_1d,
+    out_dtype,
+    tma_ready_a_scale,
+    validate_args,
+    validate_device,
+)
 
 @functools.lru_cache(maxsize=None)
 def _device_facts(index: int) -> tuple[tuple[int, int], int, str]:

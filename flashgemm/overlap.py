@@ -16,8 +16,9 @@ from typing import Optional
 
 import torch
 
-from .launcher import _check_tensor, _device_facts, grouped_gemm_nt_masked
+from .launcher import _device_facts, grouped_gemm_nt_masked
 from .signals import SignalLayout, alloc_signals
+from .validation import _check_tensor
 
 DEFAULT_MAX_POLLS = 2_000_000  # with <= 2 us back-off: a few seconds before giving up
 

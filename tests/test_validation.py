@@ -12,7 +12,7 @@ import torch
 
 import flashgemm
 from flashgemm.config import GemmConfig
-from flashgemm.launcher import validate_args, validate_device
+from flashgemm.validation import validate_args, validate_device
 
 BF16 = torch.bfloat16
 E, M, N, K = 3, 40, 24, 32

@@ -7,7 +7,7 @@ launch: validate_args reads metadata only, so CPU tensors drive every check.
 import pytest
 import torch
 
-from flashgemm.launcher import tma_ready_a_scale, validate_args
+from flashgemm.validation import tma_ready_a_scale, validate_args
 
 FP8 = torch.float8_e4m3fn
 E, M, N, K = 3, 40, 272, 2880  # K has a partial last 128-block; N is not a multiple of 128
