@@ -22,8 +22,6 @@ from typing import Callable, Dict, Optional
 from . import diskcache
 from .config import GemmConfig
 
-_TORCH_TO_NAME = {"torch.bfloat16": "bf16", "torch.float16": "fp16"}
-
 # Every compile the process made, by key (tests count them).
 _cache: Dict[tuple, Callable] = {}
 _lock = threading.Lock()

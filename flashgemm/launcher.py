@@ -14,10 +14,9 @@ from .signals import SignalLayout, check_granularity, make_signal_layout, valida
 from .validation import (
     _FP8,
     _TMA_ALIGN,
-    _byte_span_3d,
-    _overlaps,
+    _byte_span,
     _span,
-    _span_1d,
+    check_no_alias,
     out_dtype,
     tma_ready_a_scale,
     validate_args,
@@ -244,13 +243,8 @@ def _make_plan(
     if dst_signals is not None:
         layout = make_signal_layout(signal_granularity, max_m, n, config.tile_m, config.tile_n, e_count)
         validate_signals(dst_signals, layout, a.device)
-        span = _span_1d(dst_signals)
-        others = {"a": a, "b": b, "out": out, "a_scale": a_scale, "b_scale": b_scale}
-        for other_name, other in others.items():
-            if other is not None and _overlaps(span, _byte_span_3d(other)):
-                raise ValueError(f"dst_signals must not overlap {other_name} in memory")
-        if _overlaps(span, _span_1d(masked_m)):
-            raise ValueError("dst_signals must not overlap masked_m in memory")
+        others = {"a": a, "b": b, "out": out, "a_scale": a_scale, "b_scale": b_scale, "masked_m": masked_m}
+        check_no_alias("dst_signals", _byte_span(dst_signals), others)
     else:
         check_granularity(signal_granularity)
 

@@ -76,22 +76,30 @@ def _check_no_self_overlap(name: str, t: torch.Tensor) -> None:
         extent = st * sz
 
 
-def _span_1d(t: torch.Tensor) -> tuple[int, int]:
-    ptr = t.data_ptr()
-    return ptr, ptr + ((t.shape[0] - 1) * t.stride(0) + 1) * t.element_size()
-
-
 def _span(ptr: int, shape, stride, element_size: int) -> tuple[int, int]:
     last = sum((size - 1) * st for size, st in zip(shape, stride))
     return ptr, ptr + (last + 1) * element_size
 
 
-def _byte_span_3d(t: torch.Tensor) -> tuple[int, int]:
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, one past the last byte] that a tensor of any rank can touch."""
     return _span(t.data_ptr(), t.shape, t.stride(), t.element_size())
 
 
 def _overlaps(x: tuple[int, int], y: tuple[int, int]) -> bool:
     return x[0] < y[1] and y[0] < x[1]
+
+
+def check_no_alias(name: str, span: tuple[int, int], others: dict) -> None:
+    """A tensor the kernel writes (byte span ``span``) shares no byte with any
+    of ``others`` (argument name -> tensor, or -> span already computed; None
+    entries are skipped)."""
+    for other_name, other in others.items():
+        if other is None:
+            continue
+        other_span = other if isinstance(other, tuple) else _byte_span(other)
+        if _overlaps(span, other_span):
+            raise ValueError(f"{name} must not overlap {other_name} in memory")
 
 
 def _check_scales(a, b, a_scale, b_scale, e_count, max_m, n, k) -> None:
@@ -185,13 +193,8 @@ def validate_args(a, b, out, masked_m, a_scale=None, b_scale=None) -> tuple[int,
     if out is not None:
         span_out = _check_tma_operand("out", out, "N", is_input=False)
         _check_no_self_overlap("out", out)
-        others = [("a", span_a), ("b", span_b), ("masked_m", _span_1d(masked_m))]
-        for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
-            if t is not None:
-                others.append((name, _byte_span_3d(t)))
-        for other_name, span in others:
-            if _overlaps(span_out, span):
-                raise ValueError(f"out must not overlap {other_name} in memory")
+        others = {"a": span_a, "b": span_b, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale}
+        check_no_alias("out", span_out, others)
     return e_count, max_m, n, k
 
 
