@@ -3,7 +3,8 @@
 Kernels are compiled from fake tensors whose extents (E, max_m, N, K) and
 strides are symbolic, so one compiled object serves every shape: only the
 dtypes, the configuration and the target arch change the generated code, and
-those (with the package and DSL versions) form the cache key. masked_m is
+those (with the package and DSL versions and a digest of the package's
+sources) form the cache key. masked_m is
 data, so a new token distribution never recompiles.
 
 Compiled objects take torch tensors directly through TVM-FFI and launch on
@@ -57,8 +58,24 @@ def ensure_arch_env(arch: Optional[str] = None) -> str:
     return arch
 
 
+def source_digest(package_dir: Optional[str] = None) -> str:
+    """sha256 (16 hex digits) of the package's Python sources, which generate
+    the device code: a development build or a patched install with an
+    unchanged version number must never load a kernel built from other code."""
+    import hashlib
+
+    package_dir = package_dir or os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(package_dir)):
+        if name.endswith(".py"):
+            h.update(name.encode() + b"\0")
+            with open(os.path.join(package_dir, name), "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=None)
-def _versions() -> tuple[str, str]:
+def _versions() -> tuple[str, str, str]:
     # importlib.metadata scans site-packages (~0.1 ms): once per process, not per call
     import importlib.metadata as md
 
@@ -68,7 +85,8 @@ def _versions() -> tuple[str, str]:
         dsl_version = md.version("nvidia-cutlass-dsl")
     except md.PackageNotFoundError:  # pragma: no cover
         dsl_version = "unknown"
-    return __version__, dsl_version
+    # (~0.3 ms for the package's files, once per process)
+    return __version__, dsl_version, source_digest()
 
 
 def cache_key(
@@ -130,12 +148,14 @@ def build(
     arch: Optional[str] = None,
     keep_ptx: bool = False,
     signal_mode: Optional[str] = None,
+    trace: bool = False,
 ):
     """Compile one kernel (no caching). Returns the TVM-FFI callable
     ``fn(a, b, out, masked_m, signals, a_scale, b_scale, num_ctas)`` (the
     scales are None for 16-bit operands); with ``keep_ptx`` its
     ``__ptx__`` holds the generated PTX. ``signal_mode``: None, "m_block" or
-    "expert"."""
+    "expert". ``trace``: a development build whose ``signals`` argument is a
+    ``flashgemm.trace`` timeline buffer (never cached)."""
     arch = ensure_arch_env(arch)
     import cutlass
     import cutlass.cute as cute
@@ -145,7 +165,7 @@ def build(
     global compile_count
     ab_t, out_t = _cutlass_dtype(ab_dtype), _cutlass_dtype(out_dtype)
     config.validate(ab_t.width // 8, out_t.width // 8)
-    gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, signal_mode)
+    gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, signal_mode, trace=trace)
     a, b, d, masked_m, signals, sfa, sfb = _fake_args(ab_t, out_t)
     with _compile_options(keep_ptx) as options:
         fn = cute.compile(

@@ -16,6 +16,7 @@ from .config import EPI_STAGES, GemmConfig
 from .epilogue import TileEpilogue, TileStorer
 from .mainloop import consume_tile, consume_tile_blockscaled, produce_tile
 from .scheduler import MaskedTileScheduler
+from . import trace as tr
 
 # Register split (setmaxnreg): the producer warpgroup only walks the scheduler
 # and issues TMA; the consumers hold up to 128 fp32 accumulators per thread.
@@ -74,10 +75,15 @@ class MaskedGroupedGemmSm90:
     epilogue, so loads overlap stores.
     """
 
-    def __init__(self, config: GemmConfig, ab_dtype, out_dtype, signal_mode=None):
-        """signal_mode: None, "m_block" or "expert" (see ``signals.py``)."""
+    def __init__(self, config: GemmConfig, ab_dtype, out_dtype, signal_mode=None, trace=False):
+        """signal_mode: None, "m_block" or "expert" (see ``signals.py``).
+        trace: development builds only; the signals argument is then the
+        timeline buffer of ``flashgemm.trace`` (no signals)."""
+        if trace and signal_mode is not None:
+            raise ValueError("a trace build takes no signal_mode (the buffer replaces the signals)")
         self.config = config
         self.signal_mode = signal_mode
+        self.trace = trace
         self.ab_dtype = ab_dtype
         self.out_dtype = out_dtype
         self.acc_dtype = cutlass.Float32
@@ -238,6 +244,10 @@ class MaskedGroupedGemmSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        trace_base = bidx * tr.SLOTS
+        if cutlass.const_expr(self.trace):
+            if tidx == 0:
+                mSignals[trace_base + tr.ENTRY] = cute.arch.globaltimer_lo()
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
@@ -341,6 +351,9 @@ class MaskedGroupedGemmSm90:
                 if cutlass.const_expr(self.config.l2_hints):
                     policy_a = cutlass.Int64(L2_EVICT_LAST)
                     policy_b = cutlass.Int64(L2_EVICT_FIRST)
+                if cutlass.const_expr(self.trace):
+                    if cute.arch.lane_idx() == 0:
+                        mSignals[trace_base + tr.PRODUCER_START] = cute.arch.globaltimer_lo()
                 while work.is_valid:
                     tAgA_k = tAgA[(None, work.m_block, None, work.expert)]
                     tBgB_k = tBgB[(None, work.n_block, None, work.expert)]
@@ -356,6 +369,9 @@ class MaskedGroupedGemmSm90:
                     work = sched.work()
                 # keep the CTA alive until the consumers released every slot
                 ab_pipeline.producer_tail(producer_state)
+                if cutlass.const_expr(self.trace):
+                    if cute.arch.lane_idx() == 0:
+                        mSignals[trace_base + tr.PRODUCER_END] = cute.arch.globaltimer_lo()
             if warp_idx == 1:
                 # the store warp: bulk stores and signals, off the wgmma warps
                 storer = TileStorer(
@@ -380,6 +396,9 @@ class MaskedGroupedGemmSm90:
                     sched.advance()
                     work = sched.work()
                 storer.tail()
+                if cutlass.const_expr(self.trace):
+                    if cute.arch.lane_idx() == 0:
+                        mSignals[trace_base + tr.STORER_END] = cute.arch.globaltimer_lo()
         else:
             cute.arch.setmaxregister_increase(consumer_regs(self.num_consumer_wg))
             consumer_tidx = tidx - 128
@@ -408,6 +427,7 @@ class MaskedGroupedGemmSm90:
             work = sched.work()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            tile_count = Int32(0)  # (read by trace builds only)
             while work.is_valid:
                 if cutlass.const_expr(self.block_scaled):
                     read_state = consume_tile_blockscaled(
@@ -420,8 +440,19 @@ class MaskedGroupedGemmSm90:
                         ab_pipeline, read_state, release_state, tiled_mma, accumulators,
                         tCrA, tCrB, k_tile_cnt,
                     )
+                if cutlass.const_expr(self.trace):
+                    if consumer_tidx == 0 and tile_count < tr.MAX_TILES:
+                        mSignals[trace_base + tr.TILE0 + 2 * tile_count] = cute.arch.globaltimer_lo()
                 epi.store(
                     work.expert, work.m_block, work.n_block, work.valid_rows, n_total, signals
                 )
+                if cutlass.const_expr(self.trace):
+                    if consumer_tidx == 0 and tile_count < tr.MAX_TILES:
+                        mSignals[trace_base + tr.TILE0 + 2 * tile_count + 1] = cute.arch.globaltimer_lo()
+                tile_count += 1
                 sched.advance()
                 work = sched.work()
+            if cutlass.const_expr(self.trace):
+                if consumer_tidx == 0:
+                    mSignals[trace_base + tr.CONSUMER_END] = cute.arch.globaltimer_lo()
+                    mSignals[trace_base + tr.TILES] = tile_count

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Benchmark flashgemm against torch's grouped GEMMs on the MoE cases (bf16 and block-scaled fp8).
+"""Benchmark flashgemm against torch's grouped GEMMs and a Triton masked grouped
+GEMM (scripts/triton_masked.py) on the MoE cases (bf16 and block-scaled fp8).
 
 Every implementation runs in the same process on the same data. Times are the
 median of CUDA-event timings after warm-up; FLOPs count valid rows only; the
@@ -122,6 +123,60 @@ def copy_bandwidth_gbps():
     return 2 * x.numel() / ms / 1e6
 
 
+def dense_rates(size=8192):
+    """The compute limits of this run: TFLOPS of a dense size^3 bf16 ``mm`` and
+    of a rowwise-scaled fp8 ``_scaled_mm`` (the fastest dense fp8 product torch has)."""
+    flops = 2 * size**3
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    bf16_ms = time_fn(lambda: a @ b, warmup=5, reps=20)
+    a8 = a.to(torch.float8_e4m3fn)
+    b8 = b.to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    sa = torch.rand(size, 1, device="cuda") + 0.5
+    sb = torch.rand(1, size, device="cuda") + 0.5
+    fp8_ms = time_fn(lambda: torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16), warmup=5, reps=20)
+    return {"bf16_mm_TFLOPS": flops / bf16_ms / 1e9, "fp8_rowwise_mm_TFLOPS": flops / fp8_ms / 1e9}
+
+
+def time_triton_peer(results, case, a, b, masked_m, check, reps, a_scale=None, b_scale=None):
+    """Time the Triton masked grouped GEMM peer (scripts/triton_masked.py) with
+    its configurations for the regime, keep the fastest, and check that one's
+    poisoned-then-recomputed output with ``check(out)``; None if Triton is absent."""
+    try:
+        import triton_masked
+    except ImportError as exc:
+        print(f"{case['name']}: Triton peer skipped ({exc})", flush=True)
+        return None
+    out = torch.empty(a.shape[0], a.shape[1], b.shape[1], device=a.device, dtype=torch.bfloat16)
+    small = case["expected_m"] <= 128
+    best = None
+    for cfg in [c for c in triton_masked.CONFIGS if (c.block_m == 64) == small]:
+        def fn(cfg=cfg):
+            triton_masked.masked_gemm(a, b, out, masked_m, cfg, a_scale, b_scale)
+
+        try:
+            ms = time_graph(fn, reps=reps)
+        except Exception as exc:  # a Triton build that cannot compile this config
+            print(f"{case['name']}: Triton peer {cfg.short_name()} failed: {exc}", flush=True)
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, cfg, fn)
+    if best is None:
+        return None
+    ms, cfg, fn = best
+    out.fill_(float("nan"))
+    fn()
+    err = check(out)
+    results["triton_masked"] = ms
+    return {"config": cfg.short_name(), "err": err}
+
+
+def _limits_line(limits):
+    return (f"limits measured in this run: copy {limits['copy_GBps']:.0f} GB/s (read+write), dense "
+            f"8192^3 bf16 mm {limits['bf16_mm_TFLOPS']:.0f} TFLOPS, fp8 rowwise _scaled_mm "
+            f"{limits['fp8_rowwise_mm_TFLOPS']:.0f} TFLOPS")
+
+
 def run_fp8_case(case, seed, reps, sweep=False, dist="uniform"):
     """Block-scaled fp8 (1x128 / 128x128) against torch's rowwise-scaled fp8 grouped GEMM."""
     from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token
@@ -152,9 +207,9 @@ def run_fp8_case(case, seed, reps, sweep=False, dist="uniform"):
         a[:, :top], b, masked_m.clamp(max=top), a_scale=a_scale[:, :top], b_scale=b_scale
     )
 
-    def max_diff():
+    def max_diff(got=out):
         torch.cuda.synchronize()
-        diffs = [similarity(out[e, : rows[e]].float(), ref[e, : rows[e]]) for e in range(e_count) if rows[e]]
+        diffs = [similarity(got[e, : rows[e]].float(), ref[e, : rows[e]]) for e in range(e_count) if rows[e]]
         return float("inf") if any(x != x for x in diffs) else max(diffs, default=0.0)
 
     results = {}
@@ -199,7 +254,11 @@ def run_fp8_case(case, seed, reps, sweep=False, dist="uniform"):
         )
     except (RuntimeError, AttributeError) as exc:  # torch build without it, or no rows
         print(f"{case['name']}: torch._scaled_grouped_mm not timed: {exc}", flush=True)
+    triton_peer = time_triton_peer(results, case, a, b, masked_m, max_diff, reps, a_scale, b_scale)
+    if triton_peer and triton_peer["err"] > 1e-3:
+        raise SystemExit(f"{case['name']} fp8: Triton peer wrong (max similarity diff {triton_peer['err']:.2e})")
     return {
+        "triton_peer": triton_peer,
         "case": _label(case, dist), "dtype": "fp8", "regime": case["regime"], "dist": dist,
         "E": e_count, "max_m": max_m, "N": n, "K": k, "valid_rows": total_rows,
         "max_similarity_diff": max(errs), "sweep_max_similarity_diff": sweep_err,
@@ -236,8 +295,9 @@ def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
     top = max(1, max(rows))
     ref = grouped_gemm_nt_masked_ref(a[:, :top], b, masked_m.clamp(max=top))
 
-    def max_err():
-        errs = [relative_error(out[e, : rows[e]].float(), ref[e, : rows[e]]) for e in range(e_count) if rows[e]]
+    def max_err(got=out):
+        torch.cuda.synchronize()
+        errs = [relative_error(got[e, : rows[e]].float(), ref[e, : rows[e]]) for e in range(e_count) if rows[e]]
         return float("inf") if any(x != x for x in errs) else max(errs, default=0.0)  # NaN = unwritten
 
     errs = [max_err()]
@@ -279,7 +339,11 @@ def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
         )
     except RuntimeError as exc:  # no valid rows at all
         print(f"{case['name']}: torch._grouped_mm packed not timed: {exc}", flush=True)
+    triton_peer = time_triton_peer(results, case, a, b, masked_m, max_err, reps)
+    if triton_peer and triton_peer["err"] > 1e-2:
+        raise SystemExit(f"{case['name']}: Triton peer wrong (max rel err {triton_peer['err']:.2e})")
     return {
+        "triton_peer": triton_peer,
         "case": _label(case, dist),
         "dist": dist,
         "dtype": "bf16",
@@ -295,37 +359,42 @@ def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
     }
 
 
-def to_markdown(rows, copy_gbps, device, cmd):
+def to_markdown(rows, limits, device, cmd):
     date = datetime.date.today().isoformat()
     lines = [
-        f"Device: {device}; date: {date}; command: `{cmd}`; measured copy bandwidth "
-        f"{copy_gbps:.0f} GB/s (read+write). Every implementation timed the same way: median of 30 "
+        f"Device: {device}; date: {date}; command: `{cmd}`; {_limits_line(limits)}. "
+        "Every implementation timed the same way: median of 30 "
         "CUDA-event timings of CUDA-graph replays (10 calls per graph, 3 warm-up replays), per call; "
         "'eager' is back-to-back launches without a graph (includes host overhead when the host is the "
         "bottleneck). TFLOPS over valid rows; GB/s on effective bytes (weights of non-empty experts + "
-        "valid rows of A and out).",
+        "valid rows of A and out). % roofline: max(bytes / copy bandwidth, FLOPs / dense rate) over "
+        "our time.",
         "",
-        "| case | regime | flashgemm us | eager us | TFLOPS | GB/s | % copy BW | torch packed us | torch 3D us | vs packed | vs 3D | max rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | regime | flashgemm us | eager us | TFLOPS | GB/s | % copy BW | % roofline | torch packed us | torch 3D us | Triton masked us | vs packed | vs 3D | vs Triton | max rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ms = r["ms"]
-        us, tflops, gbps, pct = _rates(r, copy_gbps)
+        us, tflops, gbps, pct, roof = _rates(r, limits, "bf16_mm_TFLOPS")
         packed = ms.get("torch_grouped_mm_packed")
         lines.append(
             f"| {r['case']} | {r['regime']} | {us} | {ms['flashgemm_eager'] * 1e3:.1f} | {tflops} | "
-            f"{gbps} | {pct} | {_us(packed)} | {_us(ms['torch_grouped_mm_3d'])} | "
+            f"{gbps} | {pct} | {roof} | {_us(packed)} | {_us(ms['torch_grouped_mm_3d'])} | "
+            f"{_us(ms.get('triton_masked'))} | "
             f"{_ratio(packed, ms['flashgemm'])} | {_ratio(ms['torch_grouped_mm_3d'], ms['flashgemm'])} | "
+            f"{_ratio(ms.get('triton_masked'), ms['flashgemm'])} | "
             f"{r['max_rel_err']:.1e} |"
         )
     return "\n".join(lines)
 
 
-def _rates(r, copy_gbps):
-    """(us, TFLOPS, GB/s, % of copy bandwidth) cells of our time for one row."""
+def _rates(r, limits, dense_key):
+    """(us, TFLOPS, GB/s, % of copy bandwidth, % of roofline) cells of our time for one row."""
     ms = r["ms"]["flashgemm"]
     gbps = r["eff_bytes"] / ms / 1e6
-    return f"{ms * 1e3:.1f}", f"{r['flops'] / ms / 1e9:.0f}", f"{gbps:.0f}", f"{100 * gbps / copy_gbps:.0f}%"
+    bound_ms = max(r["eff_bytes"] / (limits["copy_GBps"] * 1e6), r["flops"] / (limits[dense_key] * 1e9))
+    return (f"{ms * 1e3:.1f}", f"{r['flops'] / ms / 1e9:.0f}", f"{gbps:.0f}",
+            f"{100 * gbps / limits['copy_GBps']:.0f}%", f"{100 * bound_ms / ms:.0f}%")
 
 
 def _us(peer_ms):
@@ -337,29 +406,29 @@ def _ratio(peer_ms, ours_ms):
     return f"{peer_ms / ours_ms:.2f}x" if peer_ms else "n/a"
 
 
-def fp8_markdown(rows, copy_gbps, device, cmd, deepgemm):
+def fp8_markdown(rows, limits, device, cmd, deepgemm):
     date = datetime.date.today().isoformat()
     lines = [
-        f"Device: {device}; date: {date}; command: `{cmd}`; measured copy bandwidth "
-        f"{copy_gbps:.0f} GB/s. Block-scaled fp8 (1x128 activation, 128x128 weight scales), "
+        f"Device: {device}; date: {date}; command: `{cmd}`; {_limits_line(limits)}. Block-scaled fp8 (1x128 activation, 128x128 weight scales), "
         "bf16 out; timing as for bf16 (CUDA-graph replay, median of 30). torch peer: "
         "`_scaled_grouped_mm` with rowwise scales on packed valid rows (a simpler recipe). "
         "DeepGEMM: its masked fp8 kernel's time listed in the case file (same recipe, same H100 "
         "model, measured by the maintainers, not in this run). GB/s on effective bytes (fp8 weights "
         "and scales of non-empty experts + valid rows of A, its scales and out).",
         "",
-        "| case | regime | flashgemm us | TFLOPS | GB/s | % copy BW | torch fp8 us | vs torch | DeepGEMM us | vs DeepGEMM | max sim diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | regime | flashgemm us | TFLOPS | GB/s | % copy BW | % roofline | torch fp8 us | vs torch | Triton masked us | vs Triton | DeepGEMM us | vs DeepGEMM | max sim diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ms = r["ms"]
-        us, tflops, gbps, pct = _rates(r, copy_gbps)
+        us, tflops, gbps, pct, roof = _rates(r, limits, "fp8_rowwise_mm_TFLOPS")
         peer = ms.get("torch_scaled_grouped_mm_packed")
         dg_us = deepgemm.get(r["case"], {}).get("deepgemm_fp8_us")
         dg = dg_us / 1e3 if dg_us else None
         lines.append(
-            f"| {r['case']} | {r['regime']} | {us} | {tflops} | {gbps} | {pct} | "
-            f"{_us(peer)} | {_ratio(peer, ms['flashgemm'])} | {_us(dg)} | {_ratio(dg, ms['flashgemm'])} | "
+            f"| {r['case']} | {r['regime']} | {us} | {tflops} | {gbps} | {pct} | {roof} | "
+            f"{_us(peer)} | {_ratio(peer, ms['flashgemm'])} | {_us(ms.get('triton_masked'))} | "
+            f"{_ratio(ms.get('triton_masked'), ms['flashgemm'])} | {_us(dg)} | {_ratio(dg, ms['flashgemm'])} | "
             f"{r['max_similarity_diff']:.1e} |"
         )
     return "\n".join(lines)
@@ -382,7 +451,8 @@ def main():
     spec = json.load(open(CASES_FILE))
     cases = [c for c in spec["cases"] if not args.cases or c["name"] in args.cases]
     device = torch.cuda.get_device_name()
-    copy_gbps = copy_bandwidth_gbps()
+    limits = {"copy_GBps": copy_bandwidth_gbps(), **dense_rates()}
+    print(_limits_line(limits), flush=True)
     rows, fp8_rows = [], []
     for i, case in enumerate(cases):
         # the seed is the case's place in the file, so a run of a few cases draws
@@ -401,15 +471,16 @@ def main():
     cmd = "python scripts/bench.py " + " ".join(sys.argv[1:])
     parts = []
     if rows:
-        parts.append(to_markdown(rows, copy_gbps, device, cmd.strip()))
+        parts.append(to_markdown(rows, limits, device, cmd.strip()))
     if fp8_rows:
         deepgemm = spec.get("deepgemm_h100_2026_11_22", {})
-        parts.append(fp8_markdown(fp8_rows, copy_gbps, device, cmd.strip(), deepgemm))
+        parts.append(fp8_markdown(fp8_rows, limits, device, cmd.strip(), deepgemm))
     md = "\n\n".join(parts)
     print(md)
     rows = rows + fp8_rows
     if args.json:
-        json.dump({"device": device, "copy_GBps": copy_gbps, "rows": rows}, open(args.json, "w"), indent=1)
+        json.dump({"device": device, "copy_GBps": limits["copy_GBps"], "limits": limits, "rows": rows},
+                  open(args.json, "w"), indent=1)
     if args.md:
         with open(args.md, "w") as f:
             f.write(md + "\n")

@@ -22,8 +22,10 @@ CASES_FILE = os.path.join(os.path.dirname(__file__), "moe_cases.json")
 SERIES = [
     ("flashgemm bf16", "bf16", "flashgemm"),
     ("torch _grouped_mm packed (bf16)", "bf16", "torch_grouped_mm_packed"),
+    ("Triton masked (bf16)", "bf16", "triton_masked"),
     ("flashgemm fp8 (1x128/128x128)", "fp8", "flashgemm"),
     ("torch _scaled_grouped_mm packed (fp8 rowwise)", "fp8", "torch_scaled_grouped_mm_packed"),
+    ("Triton masked fp8 (1x128/128x128)", "fp8", "triton_masked"),
     ("DeepGEMM fp8, listed time", "fp8", "deepgemm"),
 ]
 
@@ -34,9 +36,14 @@ def roofline_percent(row, ms, copy_gbps, peak_tflops):
     return 100.0 * bound_ms / ms
 
 
-def series_values(rows, spec, copy_gbps):
-    limits = spec["limits_h100_2026_11_22"]
-    peak = {"bf16": limits["bf16_mm_8192_TFLOPS"], "fp8": limits["fp8_rowwise_mm_8192_TFLOPS"]}
+def series_values(rows, spec, copy_gbps, run_limits=None):
+    """Percent of roofline per series and case; the dense rates measured in the
+    run (bench.py's JSON "limits") when present, else those of the case file."""
+    if run_limits:
+        peak = {"bf16": run_limits["bf16_mm_TFLOPS"], "fp8": run_limits["fp8_rowwise_mm_TFLOPS"]}
+    else:
+        listed = spec["limits_h100_2026_11_22"]
+        peak = {"bf16": listed["bf16_mm_8192_TFLOPS"], "fp8": listed["fp8_rowwise_mm_8192_TFLOPS"]}
     deepgemm = spec.get("deepgemm_h100_2026_11_22", {})
     cases = [c["name"] for c in spec["cases"]]
     by_key = {(r["case"], r.get("dtype", "bf16")): r for r in rows}
@@ -69,7 +76,7 @@ def main():
 
     data = json.load(open(args.json))
     spec = json.load(open(CASES_FILE))
-    cases, values = series_values(data["rows"], spec, data["copy_GBps"])
+    cases, values = series_values(data["rows"], spec, data["copy_GBps"], data.get("limits"))
     fig, ax = plt.subplots(figsize=(13, 6))
     width = 0.8 / len(values)
     for i, (label, vals) in enumerate(values.items()):

@@ -128,8 +128,10 @@ def test_key_covers_everything_that_changes_code(monkeypatch):
         fg_compile.cache_key(cfg, "bf16", "bf16", "sm_100a", None),
         fg_compile.cache_key(cfg, "bf16", "bf16", "sm_90a", "m_block"),
     ]
-    monkeypatch.setattr(fg_compile, "_versions", lambda: ("9.9.9", "0.0.1"))
-    others.append(fg_compile.cache_key(cfg, "bf16", "bf16", "sm_90a", None))
+    real = fg_compile._versions()
+    for versions in [("9.9.9", *real[1:]), (real[0], "0.0.1", real[2]), (*real[:2], "0" * 16)]:
+        monkeypatch.setattr(fg_compile, "_versions", lambda v=versions: v)
+        others.append(fg_compile.cache_key(cfg, "bf16", "bf16", "sm_90a", None))
     digests = {diskcache._digest(k) for k in [key, *others]}
     assert len(digests) == 1 + len(others)
 
@@ -155,3 +157,19 @@ print(json.dumps({"compiles": c.compile_count, "loads": diskcache.load_count}))
     from flashgemm.config import FP8_HEURISTIC_CONFIGS, HEURISTIC_CONFIGS
 
     assert got == {"compiles": 0, "loads": 3 * len(HEURISTIC_CONFIGS + FP8_HEURISTIC_CONFIGS)}
+
+
+def test_source_digest_follows_the_code(tmp_path):
+    """An edited kernel source with an unchanged version is a different key."""
+    pkg = os.path.dirname(fg_compile.__file__)
+    for name in ("kernel.py", "mainloop.py"):
+        (tmp_path / name).write_bytes(open(os.path.join(pkg, name), "rb").read())
+    (tmp_path / "notes.txt").write_text("not code")
+    before = fg_compile.source_digest(str(tmp_path))
+    assert before == fg_compile.source_digest(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("still not code")
+    assert fg_compile.source_digest(str(tmp_path)) == before
+    with open(tmp_path / "mainloop.py", "a") as f:
+        f.write("\n# edited\n")
+    assert fg_compile.source_digest(str(tmp_path)) != before
+    assert fg_compile._versions()[2] == fg_compile.source_digest()
