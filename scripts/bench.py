@@ -238,7 +238,11 @@ def run_fp8_case(case, seed, reps, sweep=False, dist="uniform"):
                 ),
                 reps=reps,
             )
+            out.fill_(float("nan"))  # poisoned: a tile this config leaves unwritten shows
+            flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, config=cfg)
             sweep_err[cfg.short_name()] = max_diff()
+            if sweep_err[cfg.short_name()] > 1e-3:
+                raise SystemExit(f"{case['name']} fp8: config {cfg.short_name()} gives a wrong result")
     # torch peer: rowwise scales (one per row of A, one per column of B), packed valid rows
     a_packed = torch.cat([a[e, : rows[e]] for e in range(e_count)])
     sa_packed = torch.rand(total_rows, device=dev) + 0.5
@@ -327,7 +331,11 @@ def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
             results[f"cfg:{cfg.short_name()}"] = time_graph(
                 lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg), reps=reps
             )
+            out.fill_(float("nan"))  # poisoned: a tile this config leaves unwritten shows
+            flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg)
             sweep_err[cfg.short_name()] = max_err()
+            if sweep_err[cfg.short_name()] > 1e-2:
+                raise SystemExit(f"{case['name']}: config {cfg.short_name()} gives a wrong result")
 
     bt = b.transpose(-2, -1)  # (E, K, N) view, K-major columns, as _grouped_mm wants
     results["torch_grouped_mm_3d"] = time_graph(lambda: torch._grouped_mm(a, bt), reps=reps)
