@@ -157,7 +157,7 @@ class GemmConfig:
 # prefill: two consumer warpgroups sharing each B tile halve its
 # shared-memory traffic per FLOP. All pair CTAs along N to multicast A
 # (1-4% faster in every case of the sweep).
-DECODE_CONFIG = GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, cluster_n=2)
+DECODE_CONFIG = GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2)
 DECODE_128_CONFIG = GemmConfig(tile_m=128, tile_n=64, consumer_warpgroups=2, cluster_n=2)
 MID_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n=2)
 PREFILL_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, cluster_n=2)
@@ -166,9 +166,10 @@ _REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_CONFIG, PREFILL_CONFIG)
 # Block-scaled fp8: 128-deep stages (one scale block each). Two accumulator
 # sets per thread (running sum + one k-block's products) cap tile_n at 192,
 # so prefill keeps the 128x128 tile. See choose_config for the measurements.
-FP8_DECODE_CONFIG = dataclasses.replace(DECODE_CONFIG, tile_k=128)
+FP8_DECODE_CONFIG = GemmConfig(tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1, cluster_n=2)
 FP8_MID_CONFIG = dataclasses.replace(MID_CONFIG, tile_k=128)
-_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_MID_CONFIG)
+FP8_MID_N64_CONFIG = dataclasses.replace(DECODE_128_CONFIG, tile_k=128)
+_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_MID_CONFIG, FP8_MID_N64_CONFIG)
 
 
 def _with_single_cta(configs):
@@ -179,14 +180,33 @@ HEURISTIC_CONFIGS: tuple[GemmConfig, ...] = _with_single_cta(_REGIME_CONFIGS)
 FP8_HEURISTIC_CONFIGS: tuple[GemmConfig, ...] = _with_single_cta(_FP8_REGIME_CONFIGS)
 
 
+def wave_efficiency(cfg: GemmConfig, num_experts: int, expected_m: int, n: int, num_sms: int) -> float:
+    """Share of the persistent grid's rounds that is busy, for the units the
+    host expects: m_e varies around expected_m (the benchmark draws +-30%), so
+    an expert whose mean fills a tile spills into a second m-block about half
+    the time: expected_m / tile_m + 0.5 m-blocks per expert, at least one."""
+    m_blocks = max(1.0, expected_m / cfg.tile_m + 0.5)
+    n_groups = -(-(-(-n // cfg.tile_n)) // cfg.cluster_n)
+    units = max(1, round(num_experts * m_blocks * n_groups))
+    clusters = max(1, num_sms // cfg.cluster_n)
+    return units / (-(-units // clusters) * clusters)
+
+
 def choose_config(
-    expected_m: Optional[int], max_m: int, n: int, k: int, num_sms: int, fp8: bool = False
+    expected_m: Optional[int],
+    max_m: int,
+    n: int,
+    k: int,
+    num_sms: int,
+    fp8: bool = False,
+    num_experts: Optional[int] = None,
 ) -> GemmConfig:
     """Pick a configuration from host-side facts only (never reads masked_m).
 
     From the config sweeps of scripts/bench.py on H100 (2026-11-22, CUDA-graph
     timings, docs/benchmarks.md):
-    * expected_m 32: 64x128 tiles (dsv3-ep8 gate_up 664 us vs 691 us for 128x128);
+    * expected_m 32: 64x64 tiles (dsv3-ep8 gate_up 654.7 us vs 664.2 for 64x128,
+      down 333.4 vs 338.4, same run; 64x128 had beaten 128x128, 664 vs 691);
     * expected_m 64 (m_e 44..83): 128x64 (qwen3-235b-ep8 gate_up 155.9 vs 172.2 us
       for 64x128, down 81.8 vs 86.7; qwen3-30b 46.3 vs 45.4, a 2% loss);
     * expected_m 128 (m_e 89..166): 128x128 (dsv3-ep32 gate_up 198.5 us vs 208.5
@@ -199,11 +219,21 @@ def choose_config(
     (dsv3-ep8 gate_up 340.7 us vs 359.4 for 128x128, down 183.2 vs 196.6); 128x128
     from expected_m 64 up (qwen3-235b-ep8 gate_up 81.3 vs 87.3 for 64x128, down
     45.6 vs 48.1; dsv3-ep32 down 60.1 vs 61.3, gate_up 100.8 vs 111.1;
-    dsv3-prefill gate_up 247-272 vs 351).
+    dsv3-prefill gate_up 247-272 vs 351). Up to expected_m 256, 128x64 replaces
+    128x128 when its rounds are much fuller (``wave_efficiency`` 0.15 higher,
+    which needs ``num_experts``): qwen3-30b-ep8 (96 units of 128x128 on 66
+    clusters, 1.45 rounds) 25.6 vs 28.3 us; where both fill their rounds
+    128x128 stays ahead (dsv3-ep32 gate_up 100.5 vs 116.9, qwen3-235b-ep8 down
+    44.8 vs 47.0), since 64-wide tiles re-read A twice as often.
     """
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     if fp8:
         cfg = FP8_DECODE_CONFIG if m <= 48 else FP8_MID_CONFIG
+        if cfg is FP8_MID_CONFIG and m <= 256 and num_experts:
+            wide = wave_efficiency(FP8_MID_CONFIG, num_experts, m, n, num_sms)
+            narrow = wave_efficiency(FP8_MID_N64_CONFIG, num_experts, m, n, num_sms)
+            if narrow - wide >= 0.15:
+                cfg = FP8_MID_N64_CONFIG
     elif m <= 48:
         cfg = DECODE_CONFIG
     elif m <= 96:

@@ -45,14 +45,21 @@ def _unused_signals(index: int) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
 
 
-def _resolve_config(config, expected_m, max_m, n, k, grid_cap, fp8=False) -> GemmConfig:
+def _default_sms() -> int:
+    # signal_layout() without num_sms: the call will use every SM of the current GPU
+    if torch.cuda.is_available():
+        return _device_facts(torch.cuda.current_device())[1]
+    return 1 << 30
+
+
+def _resolve_config(config, expected_m, max_m, n, k, grid_cap, fp8=False, num_experts=None) -> GemmConfig:
     if expected_m is not None:
         if isinstance(expected_m, bool) or not isinstance(expected_m, int):
             raise TypeError(f"expected_m must be an int or None, got {type(expected_m).__name__}")
         if expected_m < 0:
             raise ValueError(f"expected_m must be >= 0, got {expected_m}")
     if config is None:
-        return choose_config(expected_m, max_m, n, k, grid_cap, fp8)
+        return choose_config(expected_m, max_m, n, k, grid_cap, fp8, num_experts)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(config).__name__}")
     return _validated(config, 1 if fp8 else 2)
@@ -73,7 +80,9 @@ def signal_layout(
     """The signal layout a call with these arguments will use, known before launch
     (so a combine kernel can be set up first). ``num_sms`` as passed to the call;
     ``fp8`` for float8_e4m3fn operands."""
-    cfg = _resolve_config(config, expected_m, max_m, n, k, num_sms if num_sms else 1 << 30, fp8)
+    cfg = _resolve_config(
+        config, expected_m, max_m, n, k, num_sms if num_sms else _default_sms(), fp8, num_experts
+    )
     return make_signal_layout(signal_granularity, max_m, n, cfg.tile_m, cfg.tile_n, num_experts)
 
 
@@ -235,7 +244,7 @@ def _make_plan(
         {"a": a, "b": b, "out": out, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale},
         num_sms, capability, sm_count, name,
     )
-    config = _resolve_config(config, expected_m, max_m, n, k, grid_cap, fp8)
+    config = _resolve_config(config, expected_m, max_m, n, k, grid_cap, fp8, e_count)
     cn = config.cluster_n
     if grid_cap < cn:
         raise ValueError(f"config.cluster_n={cn} needs num_sms >= {cn}, got {grid_cap}")

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Benchmark flashgemm against torch's grouped GEMMs and a Triton masked grouped
-GEMM (scripts/triton_masked.py) on the MoE cases (bf16 and block-scaled fp8).
+"""Benchmark flashgemm against torch's grouped GEMMs, a Triton masked grouped
+GEMM (scripts/triton_masked.py) and, for bf16, QuACK's varlen-M grouped GEMM
+(quack-kernels, the optional ``bench`` extra; skipped with a note when absent)
+on the MoE cases (bf16 and block-scaled fp8).
 
 Every implementation runs in the same process on the same data. Times are the
 median of CUDA-event timings after warm-up; FLOPs count valid rows only; the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -171,6 +174,52 @@ def time_triton_peer(results, case, a, b, masked_m, check, reps, a_scale=None, b
     return {"config": cfg.short_name(), "err": err}
 
 
+QUACK_TUNED = [False]  # --quack-tuned
+EXTRA_CONFIGS: list = []  # --configs
+
+
+def parse_config(name: str):
+    """A GemmConfig from its short name, e.g. m64n64k64s0wg1c1x2 (s0: as many stages as fit)."""
+    import re
+
+    from flashgemm.config import GemmConfig
+
+    m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)wg(\d+)c1x(\d+)", name)
+    if not m:
+        raise SystemExit(f"--configs: cannot read {name!r} (expected e.g. m64n64k64s0wg1c1x2)")
+    tm, tn, tk, st, wg, cn = map(int, m.groups())
+    return GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=st, consumer_warpgroups=wg, cluster_n=cn)
+
+
+def time_quack_peer(results, case, a_packed, bt, rows, check, reps):
+    """Time QuACK's varlen-M grouped GEMM (``quack.gemm_interface.gemm`` with
+    ``cu_seqlens_m``) on the packed valid rows, with its default configuration,
+    or its autotuner's pick with --quack-tuned (it compiles and times ~20
+    configurations first), and check its output with ``check(out_packed)``;
+    None if quack-kernels is absent (the optional ``bench`` extra)."""
+    try:
+        from quack.gemm_interface import gemm as quack_gemm
+    except ImportError as exc:
+        print(f"{case['name']}: QuACK peer skipped (quack-kernels not installed: {exc})", flush=True)
+        return None
+    if a_packed.shape[0] == 0:
+        return None
+    cu_seqlens_m = torch.tensor([0] + list(itertools.accumulate(rows)), dtype=torch.int32, device=a_packed.device)
+    out = torch.empty(a_packed.shape[0], bt.shape[-1], device=a_packed.device, dtype=torch.bfloat16)
+
+    def fn():
+        quack_gemm(a_packed, bt, out=out, cu_seqlens_m=cu_seqlens_m, tuned=QUACK_TUNED[0])
+
+    try:
+        results["quack_varlen"] = time_graph(fn, reps=reps)
+    except Exception as exc:  # a QuACK build that cannot run this case
+        print(f"{case['name']}: QuACK peer failed: {type(exc).__name__}: {exc}", flush=True)
+        return None
+    out.fill_(float("nan"))
+    fn()
+    return {"config": "autotuned" if QUACK_TUNED[0] else "default", "err": check(out)}
+
+
 def _limits_line(limits):
     return (f"limits measured in this run: copy {limits['copy_GBps']:.0f} GB/s (read+write), dense "
             f"8192^3 bf16 mm {limits['bf16_mm_TFLOPS']:.0f} TFLOPS, fp8 rowwise _scaled_mm "
@@ -222,27 +271,28 @@ def run_fp8_case(case, seed, reps, sweep=False, dist="uniform"):
     if max(errs) > 1e-3:
         raise SystemExit(f"{case['name']} fp8: flashgemm result wrong (max similarity diff {max(errs):.2e})")
     sweep_err = {}
+    variants = [c for c in EXTRA_CONFIGS if c.tile_k == 128]
     if sweep:
         from flashgemm.config import FP8_HEURISTIC_CONFIGS, GemmConfig
 
-        variants = list(FP8_HEURISTIC_CONFIGS) + [
+        variants += list(FP8_HEURISTIC_CONFIGS) + [
             GemmConfig(tile_m=128, tile_n=192, tile_k=128, consumer_warpgroups=2, cluster_n=2),
             GemmConfig(tile_m=64, tile_n=64, tile_k=128, consumer_warpgroups=1, cluster_n=2),
             GemmConfig(tile_m=64, tile_n=192, tile_k=128, consumer_warpgroups=1, cluster_n=2),
             GemmConfig(tile_m=192, tile_n=64, tile_k=128, consumer_warpgroups=3, cluster_n=2),
         ]
-        for cfg in variants:
-            results[f"cfg:{cfg.short_name()}"] = time_graph(
-                lambda: flashgemm.grouped_gemm_nt_masked(
-                    a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, config=cfg
-                ),
-                reps=reps,
-            )
-            out.fill_(float("nan"))  # poisoned: a tile this config leaves unwritten shows
-            flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, config=cfg)
-            sweep_err[cfg.short_name()] = max_diff()
-            if sweep_err[cfg.short_name()] > 1e-3:
-                raise SystemExit(f"{case['name']} fp8: config {cfg.short_name()} gives a wrong result")
+    for cfg in variants:
+        results[f"cfg:{cfg.short_name()}"] = time_graph(
+            lambda: flashgemm.grouped_gemm_nt_masked(
+                a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, config=cfg
+            ),
+            reps=reps,
+        )
+        out.fill_(float("nan"))  # poisoned: a tile this config leaves unwritten shows
+        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, config=cfg)
+        sweep_err[cfg.short_name()] = max_diff()
+        if sweep_err[cfg.short_name()] > 1e-3:
+            raise SystemExit(f"{case['name']} fp8: config {cfg.short_name()} gives a wrong result")
     # torch peer: rowwise scales (one per row of A, one per column of B), packed valid rows
     a_packed = torch.cat([a[e, : rows[e]] for e in range(e_count)])
     sa_packed = torch.rand(total_rows, device=dev) + 0.5
@@ -317,25 +367,26 @@ def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
     ours_host_us = host_us(ours) if host else None
 
     sweep_err = {}
+    variants = [c for c in EXTRA_CONFIGS if c.tile_k == 64]
     if sweep:
         from flashgemm.config import HEURISTIC_CONFIGS, GemmConfig
 
-        variants = list(HEURISTIC_CONFIGS) + [
+        variants += list(HEURISTIC_CONFIGS) + [
             GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=1),
             GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2, cluster_n=2),
             GemmConfig(tile_m=128, tile_n=64, consumer_warpgroups=2, cluster_n=2),
             GemmConfig(tile_m=192, tile_n=128, consumer_warpgroups=3, cluster_n=2),
             GemmConfig(tile_m=192, tile_n=64, consumer_warpgroups=3, cluster_n=2),
         ]
-        for cfg in variants:
-            results[f"cfg:{cfg.short_name()}"] = time_graph(
-                lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg), reps=reps
-            )
-            out.fill_(float("nan"))  # poisoned: a tile this config leaves unwritten shows
-            flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg)
-            sweep_err[cfg.short_name()] = max_err()
-            if sweep_err[cfg.short_name()] > 1e-2:
-                raise SystemExit(f"{case['name']}: config {cfg.short_name()} gives a wrong result")
+    for cfg in variants:
+        results[f"cfg:{cfg.short_name()}"] = time_graph(
+            lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg), reps=reps
+        )
+        out.fill_(float("nan"))  # poisoned: a tile this config leaves unwritten shows
+        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg)
+        sweep_err[cfg.short_name()] = max_err()
+        if sweep_err[cfg.short_name()] > 1e-2:
+            raise SystemExit(f"{case['name']}: config {cfg.short_name()} gives a wrong result")
 
     bt = b.transpose(-2, -1)  # (E, K, N) view, K-major columns, as _grouped_mm wants
     results["torch_grouped_mm_3d"] = time_graph(lambda: torch._grouped_mm(a, bt), reps=reps)
@@ -350,8 +401,20 @@ def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
     triton_peer = time_triton_peer(results, case, a, b, masked_m, max_err, reps)
     if triton_peer and triton_peer["err"] > 1e-2:
         raise SystemExit(f"{case['name']}: Triton peer wrong (max rel err {triton_peer['err']:.2e})")
+
+    def packed_err(got):  # the packed output, expert by expert, against the same reference
+        starts = [0] + list(itertools.accumulate(rows))
+        return max_err(torch.stack([
+            torch.nn.functional.pad(got[starts[e]:starts[e + 1]], (0, 0, 0, max_m - rows[e]))
+            for e in range(e_count)
+        ]))
+
+    quack_peer = time_quack_peer(results, case, a_packed, bt, rows, packed_err, reps)
+    if quack_peer and quack_peer["err"] > 1e-2:
+        raise SystemExit(f"{case['name']}: QuACK peer wrong (max rel err {quack_peer['err']:.2e})")
     return {
         "triton_peer": triton_peer,
+        "quack_peer": quack_peer,
         "case": _label(case, dist),
         "dist": dist,
         "dtype": "bf16",
@@ -367,6 +430,11 @@ def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
     }
 
 
+def _quack_mode(rows):
+    modes = {r["quack_peer"]["config"] for r in rows if r.get("quack_peer")}
+    return ("configuration: " + ", ".join(sorted(modes))) if modes else "not run (quack-kernels absent)"
+
+
 def to_markdown(rows, limits, device, cmd):
     date = datetime.date.today().isoformat()
     lines = [
@@ -376,10 +444,11 @@ def to_markdown(rows, limits, device, cmd):
         "'eager' is back-to-back launches without a graph (includes host overhead when the host is the "
         "bottleneck). TFLOPS over valid rows; GB/s on effective bytes (weights of non-empty experts + "
         "valid rows of A and out). % roofline: max(bytes / copy bandwidth, FLOPs / dense rate) over "
-        "our time.",
+        "our time. Triton masked: the fastest of its configurations per case. QuACK: varlen-M grouped "
+        f"GEMM on the packed valid rows, {_quack_mode(rows)}.",
         "",
-        "| case | regime | flashgemm us | eager us | TFLOPS | GB/s | % copy BW | % roofline | torch packed us | torch 3D us | Triton masked us | vs packed | vs 3D | vs Triton | max rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | regime | flashgemm us | eager us | TFLOPS | GB/s | % copy BW | % roofline | torch packed us | torch 3D us | Triton masked us | QuACK varlen us | vs packed | vs 3D | vs Triton | vs QuACK | max rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ms = r["ms"]
@@ -388,9 +457,9 @@ def to_markdown(rows, limits, device, cmd):
         lines.append(
             f"| {r['case']} | {r['regime']} | {us} | {ms['flashgemm_eager'] * 1e3:.1f} | {tflops} | "
             f"{gbps} | {pct} | {roof} | {_us(packed)} | {_us(ms['torch_grouped_mm_3d'])} | "
-            f"{_us(ms.get('triton_masked'))} | "
+            f"{_us(ms.get('triton_masked'))} | {_us(ms.get('quack_varlen'))} | "
             f"{_ratio(packed, ms['flashgemm'])} | {_ratio(ms['torch_grouped_mm_3d'], ms['flashgemm'])} | "
-            f"{_ratio(ms.get('triton_masked'), ms['flashgemm'])} | "
+            f"{_ratio(ms.get('triton_masked'), ms['flashgemm'])} | {_ratio(ms.get('quack_varlen'), ms['flashgemm'])} | "
             f"{r['max_rel_err']:.1e} |"
         )
     return "\n".join(lines)
@@ -450,10 +519,16 @@ def main():
     p.add_argument("--json", help="write raw results here")
     p.add_argument("--sweep", action="store_true", help="also time every heuristic config")
     p.add_argument("--md", help="write the markdown table here")
+    p.add_argument("--configs", nargs="*", default=[],
+                   help="also time these configs (short names, e.g. m64n64k64s0wg1c1x2; k64 bf16, k128 fp8)")
+    p.add_argument("--quack-tuned", action="store_true",
+                   help="let QuACK's autotuner pick its configuration per case (slow first run)")
     p.add_argument("--dtype", choices=["bf16", "fp8", "both"], default="bf16")
     p.add_argument("--dist", choices=DISTRIBUTIONS, default="uniform",
                    help="masked_m distribution (uniform = the case file's rule)")
     args = p.parse_args()
+    QUACK_TUNED[0] = args.quack_tuned
+    EXTRA_CONFIGS[:] = [parse_config(c) for c in args.configs]
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU (none found)")
     spec = json.load(open(CASES_FILE))

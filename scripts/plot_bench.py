@@ -23,6 +23,7 @@ SERIES = [
     ("flashgemm bf16", "bf16", "flashgemm"),
     ("torch _grouped_mm packed (bf16)", "bf16", "torch_grouped_mm_packed"),
     ("Triton masked (bf16)", "bf16", "triton_masked"),
+    ("QuACK varlen-M, default config (bf16)", "bf16", "quack_varlen"),
     ("flashgemm fp8 (1x128/128x128)", "fp8", "flashgemm"),
     ("torch _scaled_grouped_mm packed (fp8 rowwise)", "fp8", "torch_scaled_grouped_mm_packed"),
     ("Triton masked fp8 (1x128/128x128)", "fp8", "triton_masked"),

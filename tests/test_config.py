@@ -59,3 +59,41 @@ def test_fp8_heuristic_regimes():
     assert single.cluster_n == 1 and single in FP8_HEURISTIC_CONFIGS
     for cfg in FP8_HEURISTIC_CONFIGS:
         assert cfg.tile_k == 128 and cfg.validate(1) is cfg
+
+
+def test_fp8_wave_rule_picks_narrow_tiles_only_for_a_nearly_empty_last_round():
+    import json
+    import os
+
+    from flashgemm.config import FP8_MID_CONFIG, FP8_MID_N64_CONFIG, wave_efficiency
+
+    spec = json.load(open(os.path.join(os.path.dirname(__file__), "..", "scripts", "moe_cases.json")))
+    cases = {c["name"]: c for c in spec["cases"]}
+
+    def pick(name, num_sms=132):
+        c = cases[name]
+        return choose_config(c["expected_m"], c["max_m"], c["N"], c["K"], num_sms, fp8=True,
+                             num_experts=c["E"])
+
+    # qwen3-30b-ep8: 16 experts x 6 n-groups of 128x128 = 96 units on 66 clusters
+    c = cases["qwen3-30b-ep8-gate_up"]
+    assert wave_efficiency(FP8_MID_CONFIG, c["E"], c["expected_m"], c["N"], 132) == pytest.approx(96 / 132)
+    assert pick("qwen3-30b-ep8-gate_up") == FP8_MID_N64_CONFIG
+    # rounds already full with 128x128: keep it (64-wide tiles re-read A twice as often)
+    for name in ("dsv3-ep32-gate_up", "dsv3-ep32-down", "qwen3-235b-ep8-gate_up", "qwen3-235b-ep8-down",
+                 "dsv3-prefill-gate_up"):
+        assert pick(name) == FP8_MID_CONFIG, name
+    # small-m decode keeps its own tile; without num_experts the rule is off
+    assert pick("dsv3-ep8-gate_up").tile_m == 64
+    assert choose_config(64, 1024, 1536, 2048, 132, fp8=True) == FP8_MID_CONFIG
+    # the grid it is told about counts: on 12 SMs 96 units fill their rounds
+    assert pick("qwen3-30b-ep8-gate_up", num_sms=12) == FP8_MID_CONFIG
+
+
+def test_wave_efficiency_counts_rounds():
+    from flashgemm.config import MID_CONFIG, wave_efficiency
+
+    # 8 experts x 1.5 m-blocks x 28 n-groups = 336 units on 66 clusters: 6 rounds
+    assert wave_efficiency(MID_CONFIG, 8, 128, 7168, 132) == pytest.approx(336 / 396)
+    assert wave_efficiency(MID_CONFIG, 1, 1, 128, 132) == pytest.approx(1 / 66)
+    assert 0 < wave_efficiency(MID_CONFIG, 256, 4096, 7168, 132) <= 1

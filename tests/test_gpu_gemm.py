@@ -65,7 +65,7 @@ CONFIGS = HEURISTIC_CONFIGS + (
     GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2),
     GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=3),
     GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, l2_hints=True),
-    GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2),
+    GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, cluster_n=2),  # the earlier decode tile
     GemmConfig(tile_m=192, tile_n=128, consumer_warpgroups=3, cluster_n=2),
     GemmConfig(tile_m=192, tile_n=64, consumer_warpgroups=3, cluster_n=1),
 )

@@ -18,7 +18,7 @@ pytestmark = requires_hopper
 SIGNAL_CONFIGS = [
     DECODE_CONFIG,
     MID_CONFIG,
-    GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2),  # odd n-tiles below
+    GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, cluster_n=2),  # odd n-tiles below
     GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, cluster_n=1),
     GemmConfig(tile_m=192, tile_n=128, consumer_warpgroups=3, cluster_n=2),
 ]
