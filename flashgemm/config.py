@@ -159,9 +159,12 @@ class GemmConfig:
 # (1-4% faster in every case of the sweep).
 DECODE_CONFIG = GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2)
 DECODE_128_CONFIG = GemmConfig(tile_m=128, tile_n=64, consumer_warpgroups=2, cluster_n=2)
+# expected_m 97..144: m_e stays under 192 (+30%), so a 192-row tile holds each
+# expert in one m-block where 128-row tiles cut most of them in two.
+MID_192_CONFIG = GemmConfig(tile_m=192, tile_n=64, consumer_warpgroups=3, cluster_n=2)
 MID_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n=2)
 PREFILL_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, cluster_n=2)
-_REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_CONFIG, PREFILL_CONFIG)
+_REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_192_CONFIG, MID_CONFIG, PREFILL_CONFIG)
 
 # Block-scaled fp8: 128-deep stages (one scale block each). Two accumulator
 # sets per thread (running sum + one k-block's products) cap tile_n at 192,
@@ -209,9 +212,14 @@ def choose_config(
       down 333.4 vs 338.4, same run; 64x128 had beaten 128x128, 664 vs 691);
     * expected_m 64 (m_e 44..83): 128x64 (qwen3-235b-ep8 gate_up 155.9 vs 172.2 us
       for 64x128, down 81.8 vs 86.7; qwen3-30b 46.3 vs 45.4, a 2% loss);
-    * expected_m 128 (m_e 89..166): 128x128 (dsv3-ep32 gate_up 198.5 us vs 208.5
-      for 128x64 and 239.1 for 64x128; 192x128 with three consumer warpgroups won
-      gate_up, 188.1, but lost down, 129.5 vs 113.5, so it is not chosen);
+    * expected_m 97..144 (dsv3-ep32: m_e 89..166): 192x64 with three consumer
+      warpgroups, one m-block per expert. Since partial tiles leave in 16-byte
+      pieces it beat 128x128 on dsv3-ep32-down in both sweeps (99.2 vs
+      104.3-107.3 us; 99.6 vs 102.1; before that change: 114.9 vs 115.4 and
+      115.3 vs 113.5), and tied or won gate_up (189.1 vs 185.3-189.8; 194.7 vs
+      198.5; 194.9 vs 199.1). 192x128 won gate_up (188.1) but lost down (129.5
+      vs 113.5). 145..256: 128x128 (dsv3-ep32 gate_up 198.5 us vs 208.5 for
+      128x64 and 239.1 for 64x128);
     * expected_m 1024: 128x256 (dsv3-prefill gate_up 435 vs 457 us for 128x128).
 
     fp8 (`bench.py --dtype both --sweep`, same day, after partial tiles moved to
@@ -238,6 +246,8 @@ def choose_config(
         cfg = DECODE_CONFIG
     elif m <= 96:
         cfg = DECODE_128_CONFIG
+    elif m <= 144:
+        cfg = MID_192_CONFIG
     elif m <= 256:
         cfg = MID_CONFIG
     else:

@@ -6,6 +6,7 @@ from flashgemm.config import (
     DECODE_128_CONFIG,
     DECODE_CONFIG,
     HEURISTIC_CONFIGS,
+    MID_192_CONFIG,
     MID_CONFIG,
     PREFILL_CONFIG,
     GemmConfig,
@@ -16,7 +17,8 @@ from flashgemm.config import (
 @pytest.mark.parametrize(
     "expected_m, want",
     [(1, DECODE_CONFIG), (32, DECODE_CONFIG), (48, DECODE_CONFIG), (64, DECODE_128_CONFIG),
-     (96, DECODE_128_CONFIG), (128, MID_CONFIG), (256, MID_CONFIG), (1024, PREFILL_CONFIG)],
+     (96, DECODE_128_CONFIG), (97, MID_192_CONFIG), (128, MID_192_CONFIG), (144, MID_192_CONFIG),
+     (145, MID_CONFIG), (256, MID_CONFIG), (1024, PREFILL_CONFIG)],
 )
 def test_heuristic_regimes(expected_m, want):
     assert choose_config(expected_m, 4096, 4096, 7168, 132) == want
