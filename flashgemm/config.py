@@ -45,7 +45,8 @@ class GemmConfig:
     # Off by default: on H100 (2026-11-22 sweep) evict-first weights made
     # tile_m=64 runs 11-19% slower whenever an expert spans two m-blocks (the
     # second block's CTA re-reads an evicted weight tile: dsv3-ep32 gate_up
-    # 288 vs 253 us) and gained <1% elsewhere.
+    # 288 vs 253 us) and gained <1% elsewhere in bf16. The fp8 heuristic turns
+    # it on where every expert should fit one m-block (see choose_config).
     l2_hints: bool = False
 
     # ---- derived facts -------------------------------------------------
@@ -172,7 +173,9 @@ _REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_192_CONFIG, MID_CONFIG,
 FP8_DECODE_CONFIG = GemmConfig(tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1, cluster_n=2)
 FP8_MID_CONFIG = dataclasses.replace(MID_CONFIG, tile_k=128)
 FP8_MID_N64_CONFIG = dataclasses.replace(DECODE_128_CONFIG, tile_k=128)
-_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_MID_CONFIG, FP8_MID_N64_CONFIG)
+_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_MID_CONFIG, FP8_MID_N64_CONFIG) + tuple(
+    dataclasses.replace(c, l2_hints=True) for c in (FP8_MID_CONFIG, FP8_MID_N64_CONFIG)
+)
 
 
 def _with_single_cta(configs):
@@ -232,7 +235,11 @@ def choose_config(
     which needs ``num_experts``): qwen3-30b-ep8 (96 units of 128x128 on 66
     clusters, 1.45 rounds) 25.6 vs 28.3 us; where both fill their rounds
     128x128 stays ahead (dsv3-ep32 gate_up 100.5 vs 116.9, qwen3-235b-ep8 down
-    44.8 vs 47.0), since 64-wide tiles re-read A twice as often.
+    44.8 vs 47.0), since 64-wide tiles re-read A twice as often. Where every
+    expert should fit one 128-row m-block (expected_m <= 98), fp8 loads the
+    weights evict-first and the activations evict-last (``l2_hints``):
+    qwen3-235b-ep8-down 41.4 vs 44.0 us, qwen3-30b 23.1 vs 24.7 (128x64),
+    qwen3-235b-ep8-gate_up 79.7 vs 79.8 (same run; bf16 moved under 1%).
     """
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     if fp8:
@@ -242,6 +249,11 @@ def choose_config(
             narrow = wave_efficiency(FP8_MID_N64_CONFIG, num_experts, m, n, num_sms)
             if narrow - wide >= 0.15:
                 cfg = FP8_MID_N64_CONFIG
+        if cfg is not FP8_DECODE_CONFIG and m * 1.3 <= cfg.tile_m:
+            # every expert should fit one m-block (m_e up to expected_m + 30%),
+            # so no second CTA re-reads a weight tile: load weights
+            # evict-first, activations evict-last
+            cfg = dataclasses.replace(cfg, l2_hints=True)
     elif m <= 48:
         cfg = DECODE_CONFIG
     elif m <= 96:

@@ -184,11 +184,12 @@ def parse_config(name: str):
 
     from flashgemm.config import GemmConfig
 
-    m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)wg(\d+)c1x(\d+)", name)
+    m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)wg(\d+)c1x(\d+)(-l2hint)?", name)
     if not m:
-        raise SystemExit(f"--configs: cannot read {name!r} (expected e.g. m64n64k64s0wg1c1x2)")
-    tm, tn, tk, st, wg, cn = map(int, m.groups())
-    return GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=st, consumer_warpgroups=wg, cluster_n=cn)
+        raise SystemExit(f"--configs: cannot read {name!r} (expected e.g. m64n64k64s0wg1c1x2[-l2hint])")
+    tm, tn, tk, st, wg, cn = map(int, m.groups()[:6])
+    return GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=st, consumer_warpgroups=wg, cluster_n=cn,
+                      l2_hints=m.group(7) is not None)
 
 
 def time_quack_peer(results, case, a_packed, bt, rows, check, reps):

@@ -1,5 +1,7 @@
 """The heuristic and config facts (CPU only)."""
 
+from dataclasses import replace
+
 import pytest
 
 from flashgemm.config import (
@@ -53,7 +55,10 @@ def test_fp8_heuristic_regimes():
     from flashgemm.config import FP8_DECODE_CONFIG, FP8_HEURISTIC_CONFIGS, FP8_MID_CONFIG
 
     assert choose_config(32, 1024, 4096, 7168, 132, fp8=True) == FP8_DECODE_CONFIG
-    assert choose_config(64, 1024, 4096, 1536, 132, fp8=True) == FP8_MID_CONFIG
+    # expected_m 64: every expert fits one 128-row m-block, so the L2 hints are on
+    assert choose_config(64, 1024, 4096, 1536, 132, fp8=True) == replace(FP8_MID_CONFIG, l2_hints=True)
+    assert choose_config(98, 1024, 4096, 1536, 132, fp8=True).l2_hints
+    assert not choose_config(99, 1024, 4096, 1536, 132, fp8=True).l2_hints
     assert choose_config(128, 4096, 7168, 2048, 132, fp8=True) == FP8_MID_CONFIG
     assert choose_config(128, 4096, 4096, 7168, 132, fp8=True) == FP8_MID_CONFIG
     assert choose_config(1024, 4096, 4096, 7168, 132, fp8=True) == FP8_MID_CONFIG
@@ -80,16 +85,18 @@ def test_fp8_wave_rule_picks_narrow_tiles_only_for_a_nearly_empty_last_round():
     # qwen3-30b-ep8: 16 experts x 6 n-groups of 128x128 = 96 units on 66 clusters
     c = cases["qwen3-30b-ep8-gate_up"]
     assert wave_efficiency(FP8_MID_CONFIG, c["E"], c["expected_m"], c["N"], 132) == pytest.approx(96 / 132)
-    assert pick("qwen3-30b-ep8-gate_up") == FP8_MID_N64_CONFIG
+    assert pick("qwen3-30b-ep8-gate_up") == replace(FP8_MID_N64_CONFIG, l2_hints=True)
     # rounds already full with 128x128: keep it (64-wide tiles re-read A twice as often)
     for name in ("dsv3-ep32-gate_up", "dsv3-ep32-down", "qwen3-235b-ep8-gate_up", "qwen3-235b-ep8-down",
                  "dsv3-prefill-gate_up"):
-        assert pick(name) == FP8_MID_CONFIG, name
+        assert replace(pick(name), l2_hints=False) == FP8_MID_CONFIG, name
+    # experts of up to 166 rows span two m-blocks there: no evict-first weights
+    assert not pick("dsv3-ep32-down").l2_hints and not pick("dsv3-ep32-gate_up").l2_hints
     # small-m decode keeps its own tile; without num_experts the rule is off
     assert pick("dsv3-ep8-gate_up").tile_m == 64
-    assert choose_config(64, 1024, 1536, 2048, 132, fp8=True) == FP8_MID_CONFIG
+    assert choose_config(64, 1024, 1536, 2048, 132, fp8=True).tile_n == 128
     # the grid it is told about counts: on 12 SMs 96 units fill their rounds
-    assert pick("qwen3-30b-ep8-gate_up", num_sms=12) == FP8_MID_CONFIG
+    assert pick("qwen3-30b-ep8-gate_up", num_sms=12).tile_n == 128
 
 
 def test_wave_efficiency_counts_rounds():
