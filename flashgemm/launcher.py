@@ -78,8 +78,9 @@ def signal_layout(
     fp8: bool = False,
 ) -> SignalLayout:
     """The signal layout a call with these arguments will use, known before launch
-    (so a combine kernel can be set up first). ``num_sms`` as passed to the call;
-    ``fp8`` for float8_e4m3fn operands."""
+    (so a combine kernel can be set up first). ``num_sms`` as passed to the call
+    (None: every SM of the current GPU; the fp8 heuristic weighs how full the
+    grid's last round of tiles is); ``fp8`` for float8_e4m3fn operands."""
     cfg = _resolve_config(
         config, expected_m, max_m, n, k, num_sms if num_sms else _default_sms(), fp8, num_experts
     )

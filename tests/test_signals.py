@@ -93,3 +93,12 @@ def test_combine_ptx_polls_with_acquire_and_backoff():
     assert "atom.global.or.b32" in ptx  # timeout / bad-token error bits
     assert "ld.global.v4" in ptx  # 16-byte loads of the GEMM output rows
     assert "red.relaxed.gpu.global.add.v4.f32" in ptx  # 4 floats per atomic
+
+
+def test_signal_layout_follows_the_fp8_wave_rule():
+    # qwen3-30b-ep8 shapes: the fp8 heuristic takes 64-wide tiles on a 132-SM
+    # grid, 128-wide on 12 SMs; the layout the combine sets up must match
+    lay = signal_layout(16, 256, 1536, 2048, expected_m=64, num_sms=132, fp8=True)
+    assert (lay.block_m, lay.block_n, lay.n_tiles) == (128, 64, 24)
+    lay = signal_layout(16, 256, 1536, 2048, expected_m=64, num_sms=12, fp8=True)
+    assert (lay.block_m, lay.block_n, lay.n_tiles) == (128, 128, 12)
