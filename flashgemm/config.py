@@ -65,6 +65,10 @@ class GemmConfig:
         # staging buffer at 4 KiB per 64 rows and stage.
         return (self.tile_m, 32)
 
+    def n_groups(self, n: int) -> int:
+        """Units of work along N: ceil(ceil(N / tile_n) / cluster_n)."""
+        return -(-(-(-n // self.tile_n)) // self.cluster_n)
+
     def stage_bytes(self, elem_bytes: int = 2) -> int:
         operands = (self.tile_m + self.tile_n) * self.tile_k * elem_bytes
         if elem_bytes == 1:  # block-scaled fp8: the tile's fp32 row scales ride along
@@ -192,8 +196,7 @@ def wave_efficiency(cfg: GemmConfig, num_experts: int, expected_m: int, n: int, 
     an expert whose mean fills a tile spills into a second m-block about half
     the time: expected_m / tile_m + 0.5 m-blocks per expert, at least one."""
     m_blocks = max(1.0, expected_m / cfg.tile_m + 0.5)
-    n_groups = -(-(-(-n // cfg.tile_n)) // cfg.cluster_n)
-    units = max(1, round(num_experts * m_blocks * n_groups))
+    units = max(1, round(num_experts * m_blocks * cfg.n_groups(n)))
     clusters = max(1, num_sms // cfg.cluster_n)
     return units / (-(-units // clusters) * clusters)
 

@@ -259,8 +259,7 @@ def _make_plan(
         check_granularity(signal_granularity)
 
     # Persistent grid: never more clusters than units of work could use.
-    n_groups = -(-(-(-n // config.tile_n)) // cn)  # ceil(ceil(N / tile_n) / cluster_n)
-    max_units = e_count * -(-max_m // config.tile_m) * n_groups
+    max_units = e_count * -(-max_m // config.tile_m) * config.n_groups(n)
     num_ctas = cn * max(1, min(grid_cap // cn, max_units))
 
     from .compile import get_kernel

@@ -192,6 +192,21 @@ def parse_config(name: str):
                       l2_hints=m.group(7) is not None)
 
 
+def time_configs(results, label, variants, out, check, tol, reps, call):
+    """Time ``call(cfg)`` for each config into ``results["cfg:<name>"]``; then
+    check each on a NaN-poisoned ``out`` (a tile a config leaves unwritten
+    shows) and stop the run if one is wrong. Returns {name: error}."""
+    errs = {}
+    for cfg in variants:
+        results[f"cfg:{cfg.short_name()}"] = time_graph(lambda: call(cfg), reps=reps)
+        out.fill_(float("nan"))
+        call(cfg)
+        errs[cfg.short_name()] = check()
+        if errs[cfg.short_name()] > tol:
+            raise SystemExit(f"{label}: config {cfg.short_name()} gives a wrong result")
+    return errs
+
+
 def time_quack_peer(results, case, a_packed, bt, rows, check, reps):
     """Time QuACK's varlen-M grouped GEMM (``quack.gemm_interface.gemm`` with
     ``cu_seqlens_m``) on the packed valid rows, with its default configuration,
@@ -271,7 +286,6 @@ def run_fp8_case(case, seed, reps, sweep=False, dist="uniform"):
     errs.append(max_diff())
     if max(errs) > 1e-3:
         raise SystemExit(f"{case['name']} fp8: flashgemm result wrong (max similarity diff {max(errs):.2e})")
-    sweep_err = {}
     variants = [c for c in EXTRA_CONFIGS if c.tile_k == 128]
     if sweep:
         from flashgemm.config import FP8_HEURISTIC_CONFIGS, GemmConfig
@@ -282,18 +296,12 @@ def run_fp8_case(case, seed, reps, sweep=False, dist="uniform"):
             GemmConfig(tile_m=64, tile_n=192, tile_k=128, consumer_warpgroups=1, cluster_n=2),
             GemmConfig(tile_m=192, tile_n=64, tile_k=128, consumer_warpgroups=3, cluster_n=2),
         ]
-    for cfg in variants:
-        results[f"cfg:{cfg.short_name()}"] = time_graph(
-            lambda: flashgemm.grouped_gemm_nt_masked(
-                a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, config=cfg
-            ),
-            reps=reps,
-        )
-        out.fill_(float("nan"))  # poisoned: a tile this config leaves unwritten shows
-        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, config=cfg)
-        sweep_err[cfg.short_name()] = max_diff()
-        if sweep_err[cfg.short_name()] > 1e-3:
-            raise SystemExit(f"{case['name']} fp8: config {cfg.short_name()} gives a wrong result")
+    sweep_err = time_configs(
+        results, f"{case['name']} fp8", variants, out, max_diff, 1e-3, reps,
+        lambda cfg: flashgemm.grouped_gemm_nt_masked(
+            a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, config=cfg
+        ),
+    )
     # torch peer: rowwise scales (one per row of A, one per column of B), packed valid rows
     a_packed = torch.cat([a[e, : rows[e]] for e in range(e_count)])
     sa_packed = torch.rand(total_rows, device=dev) + 0.5
@@ -367,7 +375,6 @@ def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
         raise SystemExit(f"{case['name']}: flashgemm result wrong (max rel err {max(errs):.2e})")
     ours_host_us = host_us(ours) if host else None
 
-    sweep_err = {}
     variants = [c for c in EXTRA_CONFIGS if c.tile_k == 64]
     if sweep:
         from flashgemm.config import HEURISTIC_CONFIGS, GemmConfig
@@ -379,15 +386,10 @@ def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
             GemmConfig(tile_m=192, tile_n=128, consumer_warpgroups=3, cluster_n=2),
             GemmConfig(tile_m=192, tile_n=64, consumer_warpgroups=3, cluster_n=2),
         ]
-    for cfg in variants:
-        results[f"cfg:{cfg.short_name()}"] = time_graph(
-            lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg), reps=reps
-        )
-        out.fill_(float("nan"))  # poisoned: a tile this config leaves unwritten shows
-        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg)
-        sweep_err[cfg.short_name()] = max_err()
-        if sweep_err[cfg.short_name()] > 1e-2:
-            raise SystemExit(f"{case['name']}: config {cfg.short_name()} gives a wrong result")
+    sweep_err = time_configs(
+        results, case["name"], variants, out, max_err, 1e-2, reps,
+        lambda cfg: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg),
+    )
 
     bt = b.transpose(-2, -1)  # (E, K, N) view, K-major columns, as _grouped_mm wants
     results["torch_grouped_mm_3d"] = time_graph(lambda: torch._grouped_mm(a, bt), reps=reps)

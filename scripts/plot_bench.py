@@ -4,6 +4,7 @@
 The roofline time of a case is max(effective bytes / copy bandwidth, valid-row
 FLOPs / dense matrix-product rate): the copy bandwidth is the one bench.py
 measured in the same run; the dense rates (bf16 mm, fp8 rowwise mm, 8192^3) are
+the ones bench.py measured in the run too (its JSON "limits"), or for older JSON
 the ones listed in the case file for the same H100 model. DeepGEMM's bars use the
 times listed in the case file (not measured in the run).
 
@@ -23,7 +24,7 @@ SERIES = [
     ("flashgemm bf16", "bf16", "flashgemm"),
     ("torch _grouped_mm packed (bf16)", "bf16", "torch_grouped_mm_packed"),
     ("Triton masked (bf16)", "bf16", "triton_masked"),
-    ("QuACK varlen-M, default config (bf16)", "bf16", "quack_varlen"),
+    ("QuACK varlen-M (bf16)", "bf16", "quack_varlen"),
     ("flashgemm fp8 (1x128/128x128)", "fp8", "flashgemm"),
     ("torch _scaled_grouped_mm packed (fp8 rowwise)", "fp8", "torch_scaled_grouped_mm_packed"),
     ("Triton masked fp8 (1x128/128x128)", "fp8", "triton_masked"),

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flashgemm import compile as fg_compile, trace  # noqa: E402
+from flashgemm.config import choose_config  # noqa: E402
 from flashgemm.launcher import _make_plan  # noqa: E402
 from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token  # noqa: E402
 
@@ -46,8 +47,10 @@ def trace_case(case, seed, fp8):
         a, sa = quantize_fp8_per_token(a)
         b, sb = quantize_fp8_per_block(b)
     out = torch.empty(e, max_m, n, device="cuda", dtype=torch.bfloat16)
-    plan = _make_plan(a, b, out, masked_m, sa, sb, case["expected_m"], None, None, None, "m_block")
-    cfg = plan_config(case, fp8)  # the heuristic's choice, as the plan made it
+    # the heuristic's choice for this call; the plan (grid size) is made for it
+    cfg = choose_config(case["expected_m"], max_m, n, k,
+                        torch.cuda.get_device_properties(0).multi_processor_count, fp8, e)
+    plan = _make_plan(a, b, out, masked_m, sa, sb, case["expected_m"], None, cfg, None, "m_block")
     fn = fg_compile.build(cfg, "fp8e4m3" if fp8 else "bf16", trace=True)
     buf = torch.zeros(plan.num_ctas * trace.SLOTS, dtype=torch.int32, device="cuda")
 
@@ -67,13 +70,6 @@ def trace_case(case, seed, fp8):
     call()
     torch.cuda.synchronize()
     return cfg, event_us, trace.timeline(buf.cpu(), plan.num_ctas)
-
-
-def plan_config(case, fp8):
-    from flashgemm.config import choose_config
-
-    return choose_config(case["expected_m"], case["max_m"], case["N"], case["K"],
-                         torch.cuda.get_device_properties(0).multi_processor_count, fp8)
 
 
 def summarize(t):
