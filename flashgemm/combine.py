@@ -21,15 +21,14 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import vector
-from cutlass.experimental.primitives.nvvm_wrapper import nanosleep
+from cutlass.experimental.primitives.nvvm_wrapper import (
+    CpReduceOp,
+    CpReduceType,
+    cp_reduce_async_bulk_global_shared_cta,
+    nanosleep,
+)
 
 from .scheduler import MaskedTileScheduler
-
-def _F32X4():
-    return ir.VectorType.get([4], ir.F32Type.get())
-
 
 ERR_TIMEOUT = 1
 ERR_BAD_TOKEN = 2
@@ -37,20 +36,31 @@ ERR_BAD_TOKEN = 2
 # made as wide as a CTA can be: 1024 threads, each moving 16-byte chunks.
 COMBINE_THREADS = 1024
 CHUNK = 8  # bf16 elements per 16-byte load
-ROWS_PER_ITEM = 8  # divides every block_m (64, 128, 192, 256)
+# Teams of 8 warps work on separate items, so one item's latency chain
+# (poll, loads, staging, barriers: ~3 us) overlaps the other teams' work.
+TEAMS = 4
+TEAM_THREADS = COMBINE_THREADS // TEAMS
+TEAM_WARPS = TEAM_THREADS // 32
+# 16-byte loads each thread has in flight per group; a team stages a group as
+# fp32 in shared memory, double-buffered: 4 teams x 2 x 24 KiB.
+ROUNDS = 3
+GROUP_ELEMS = ROUNDS * TEAM_THREADS * CHUNK
 
 
 @cute.jit
 def wait_signal(counter: cute.Pointer, target: Int32, max_polls: Int32, err: cute.Pointer) -> Boolean:
     """Spin until ``*counter >= target`` (GPU-scope acquire). On timeout, OR
-    ERR_TIMEOUT into ``*err`` and return False. Every caller thread does its
-    own acquire, so its later loads are ordered after the producer's release."""
+    ERR_TIMEOUT into ``*err`` and return False. The caller's later loads are
+    ordered after the producer's release; a CTA barrier after the wait extends
+    that to the CTA's other threads. Back-off 32 ns doubling to 256 ns: the
+    slack after the counter flips sits on the critical path of the last
+    m-block."""
     value = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
     polls = Int32(0)
     backoff = Int32(32)
     while (value < target) & (polls < max_polls):
         nanosleep(backoff)
-        backoff = cutlass.min(backoff * 2, Int32(2048))
+        backoff = cutlass.min(backoff * 2, Int32(256))
         polls = polls + 1
         value = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
     ok = value >= target
@@ -60,17 +70,33 @@ def wait_signal(counter: cute.Pointer, target: Int32, max_polls: Int32, err: cut
 
 
 class MaskedCombineSm90:
-    """Signal-driven combine (reference quality: fp32 atomics into the output).
+    """Signal-driven combine: ``combined[token] += weight * out[e, row]`` in fp32.
 
-    Work items are 8-row slices of the valid rows, in the GEMM's expert-major
-    order, dealt round-robin to the CTAs (``COMBINE_THREADS`` threads each).
-    Every thread polls the item's m-block counter itself (one acquire each, so
-    no reasoning about barrier cumulativity is needed), then moves 16-byte
-    chunks of the slice.
+    Roles: each CTA (``COMBINE_THREADS`` threads) holds ``TEAMS`` teams of 8
+    warps. Work items are ``rows_per_item``-row slices of the valid rows, in
+    the GEMM's expert-major order, dealt round-robin to the teams of all
+    CTAs. For an item the team's thread 0 acquire-polls the m-block's counter
+    and a named barrier (one per team) orders the team's reads after that
+    acquire. The item's rows, flattened, then go through shared memory in
+    groups of ``GROUP_ELEMS``: the team loads 16-byte bf16 chunks, scales them
+    by the row's routing weight and writes fp32 into one of its two group
+    buffers; the team's warp 0 hands each row's piece of the group to the
+    bulk-copy engine (one ``cp.reduce.async.bulk .add.f32`` into
+    ``combined[token]``), which performs the adds in L2 while the team loads
+    the next group. Pipelines: the two buffers per team, guarded by the
+    issuing warp's ``cp.async.bulk.wait_group.read 1`` and the team barrier.
+    (Per-thread ``red.global.add.v4.f32`` moved ~19 GB/s per SM: the
+    dsv3-ep32-down combine took 80 us on 20 SMs, and its last expert set the
+    overlapped run's tail.)
     """
 
-    def __init__(self, block_m: int):
+    def __init__(self, block_m: int, rows_per_item: int):
+        if rows_per_item < 1 or rows_per_item & (rows_per_item - 1) or block_m % rows_per_item:
+            raise ValueError(
+                f"rows_per_item must be a power of two dividing block_m={block_m}, got {rows_per_item}"
+            )
         self.block_m = block_m
+        self.rows_per_item = rows_per_item
 
     @cute.jit
     def __call__(
@@ -107,47 +133,106 @@ class MaskedCombineSm90:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        # this thread's team and its index in it; warp 0 of a team issues
+        # the team's bulk reductions, its thread 0 polls
+        team = warp_idx // TEAM_WARPS
+        ttid = tidx - team * TEAM_THREADS
+        issuer = warp_idx == team * TEAM_WARPS
         num_experts = cute.size(mOut, mode=[0])
         max_m = cute.size(mOut, mode=[1])
         n = cute.size(mOut, mode=[2])
         num_tokens = cute.size(mCombined, mode=[0])
         num_m_slots = (max_m + self.block_m - 1) // self.block_m
-        chunks = n // CHUNK
-        frag = cute.make_rmem_tensor((CHUNK,), mOut.element_type)
-        # Work items are ROWS_PER_ITEM-row slices of the valid rows only,
-        # walked expert-major by the GEMM's own masked scheduler (one "n-block"):
-        # with one item per (expert, m-block) and most m-blocks empty, the
-        # dsv3-ep8 work landed on 5 of 20 CTAs.
+
+        smem = cutlass.memory.SmemAllocator()
+        sGroup = smem.allocate_tensor(
+            cutlass.Float32, cute.make_layout((GROUP_ELEMS, 2, TEAMS)), byte_alignment=128
+        )
+        # per team, the latest item whose wait timed out: the team's barriers
+        # need all its threads to take the same branch. (Compared with >=:
+        # after a skipped item, the poller may already have recorded a later one.)
+        sFailed = smem.allocate_tensor(Int32, cute.make_layout(TEAMS), byte_alignment=4)
+        if ttid == 0:
+            sFailed[team] = Int32(-1)
+        cute.arch.sync_threads()
+        frag = cute.make_rmem_tensor((CHUNK, ROUNDS), mOut.element_type)
+        wgt = cute.make_rmem_tensor((ROUNDS,), cutlass.Float32)
+        # Work items are rows_per_item-row slices of the valid rows only,
+        # walked expert-major by the GEMM's own masked scheduler (one "n-block")
+        # and dealt to the teams of all CTAs, consecutive items to different
+        # CTAs. (With one item per (expert, m-block) and most m-blocks empty,
+        # the dsv3-ep8 work had landed on 5 of 20 CTAs.)
         sched = MaskedTileScheduler.create(
-            mMaskedM, num_experts, max_m, Int32(1), ROWS_PER_ITEM, bidx, gdim
+            mMaskedM, num_experts, max_m, Int32(1), self.rows_per_item, bidx + team * gdim, gdim * TEAMS
         )
         work = sched.work()
+        group_count = Int32(0)
+        item_count = Int32(0)
         while work.is_valid:
             e = work.expert
-            row0 = work.m_block * ROWS_PER_ITEM
+            row0 = work.m_block * self.rows_per_item
             unit = e * num_m_slots + row0 // self.block_m  # the GEMM m-block's counter
-            if wait_signal(mSignals.iterator + unit, n_tiles, max_polls, mErr.iterator):
-                for i in cutlass.range(tidx, work.valid_rows * chunks, COMBINE_THREADS, unroll=1):
-                    r = i // chunks
-                    c = i - r * chunks
-                    token = Int32(mTokenIdx[e, row0 + r])
-                    if (token >= 0) & (token < num_tokens):
-                        w = cutlass.Float32(mWeight[e, row0 + r])
-                        src = cute.local_tile(mOut[e, row0 + r, None], (CHUNK,), (c,))
-                        cute.autovec_copy(src, frag)
-                        vals = frag.load().to(cutlass.Float32) * w
-                        base = mCombined.iterator + (token * n + c * CHUNK)
-                        # red.global.add.v4.f32 (sm_90): 4x fewer atomics than
-                        # scalar adds
-                        for q in cutlass.range_constexpr(CHUNK // 4):
-                            v4 = vector.from_elements(
-                                _F32X4(), [vals[4 * q + j].ir_value() for j in range(4)]
-                            )
-                            cute.arch.red(
-                                base + 4 * q, v4, op="add", dtype=cutlass.Float32,
-                                sem="relaxed", scope="gpu",
-                            )
-                    else:
-                        cute.arch.atomic_or(mErr.iterator, Int32(ERR_BAD_TOKEN))
+            # One thread polls, then the team barrier passes its acquire on
+            # to the team (the pattern of CUTLASS's generic barrier wait):
+            # every thread polling put 640 warps on one L2 line.
+            if ttid == 0:
+                if not wait_signal(mSignals.iterator + unit, n_tiles, max_polls, mErr.iterator):
+                    sFailed[team] = item_count
+            cute.arch.barrier(barrier_id=1 + team, number_of_threads=TEAM_THREADS)
+            if sFailed[team] < item_count:
+                total = work.valid_rows * n  # the item's rows, flattened
+                for g0 in cutlass.range(0, total, GROUP_ELEMS, unroll=1):
+                    buf = group_count % 2
+                    # loads first, before any barrier (clamped to the last
+                    # chunk: n % 8 == 0, so a chunk never crosses a row)
+                    for j in cutlass.range_constexpr(ROUNDS):
+                        i = cutlass.min(g0 + (j * TEAM_THREADS + ttid) * CHUNK, total - CHUNK)
+                        r = i // n
+                        wgt[j] = mWeight[e, row0 + r]
+                        src = cute.local_tile(mOut[e, row0 + r, None], (CHUNK,), ((i - r * n) // CHUNK,))
+                        cute.autovec_copy(src, frag[None, j])
+                    if g0 > 0:
+                        # the issuer's wait after the last group freed this
+                        # buffer (an item's first group: the item barrier did)
+                        cute.arch.barrier(barrier_id=1 + team, number_of_threads=TEAM_THREADS)
+                    for j in cutlass.range_constexpr(ROUNDS):
+                        off = (j * TEAM_THREADS + ttid) * CHUNK
+                        if g0 + off < total:
+                            vals = frag[None, j].load().to(cutlass.Float32) * wgt[j]
+                            dst = cute.local_tile(sGroup[None, buf, team], (CHUNK,), (off // CHUNK,))
+                            dst.store(vals)
+                    # generic-proxy writes -> visible to the bulk-copy engine
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.barrier(barrier_id=1 + team, number_of_threads=TEAM_THREADS)
+                    if issuer:
+                        # one bulk reduction per row piece in [g0, g0 + count)
+                        count = cutlass.min(total - g0, GROUP_ELEMS)
+                        r_first = g0 // n
+                        r_last = (g0 + count - 1) // n
+                        for r in cutlass.range(r_first + lane, r_last + 1, 32, unroll=1):
+                            lo = cutlass.max(g0, r * n)
+                            hi = cutlass.min(g0 + count, (r + 1) * n)
+                            token = Int32(mTokenIdx[e, row0 + r])
+                            if (token >= 0) & (token < num_tokens):
+                                cp_reduce_async_bulk_global_shared_cta(
+                                    mCombined.iterator + (token * n + (lo - r * n)),
+                                    sGroup.iterator + ((team * 2 + buf) * GROUP_ELEMS + (lo - g0)),
+                                    (hi - lo) * 4,
+                                    op=CpReduceOp.ADD,
+                                    type=CpReduceType.F32,
+                                )
+                            else:
+                                cute.arch.atomic_or(mErr.iterator, Int32(ERR_BAD_TOKEN))
+                        cute.arch.cp_async_bulk_commit_group()
+                        # the other buffer's reductions (one group ago) have
+                        # read it before anyone stages the next group there
+                        cute.arch.cp_async_bulk_wait_group(1, read=True)
+                    group_count += 1
+            item_count += 1
             sched.advance()
             work = sched.work()
+        if issuer:
+            # the reductions must have read shared memory before the CTA exits
+            cute.arch.cp_async_bulk_wait_group(0, read=False)

@@ -246,13 +246,16 @@ def precompile(
     return count
 
 
-def build_combine(block_m: int, arch: Optional[str] = None, keep_ptx: bool = False):
+def build_combine(
+    block_m: int, arch: Optional[str] = None, keep_ptx: bool = False, rows_per_item: Optional[int] = None
+):
     """Compile the reference combine (``combine.MaskedCombineSm90``), no caching."""
     ensure_arch_env(arch)
     import cutlass
     import cutlass.cute as cute
 
     from .combine import MaskedCombineSm90
+    from .overlap import DEFAULT_ROWS_PER_ITEM
 
     global compile_count
     # N is a multiple of 8 (validated): rows of out are 16-byte aligned
@@ -265,7 +268,7 @@ def build_combine(block_m: int, arch: Optional[str] = None, keep_ptx: bool = Fal
 
     with _compile_options(keep_ptx) as options:
         fn = cute.compile(
-            MaskedCombineSm90(block_m),
+            MaskedCombineSm90(block_m, rows_per_item or DEFAULT_ROWS_PER_ITEM),
             row_major(cutlass.BFloat16, (e, m, n), 16),
             fake(cutlass.Int32, (e,), assumed_align=4),
             fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4),
@@ -283,7 +286,10 @@ def build_combine(block_m: int, arch: Optional[str] = None, keep_ptx: bool = Fal
     return fn
 
 
-def get_combine_kernel(block_m: int, arch: Optional[str] = None):
+def get_combine_kernel(block_m: int, rows_per_item: int, arch: Optional[str] = None):
     """The compiled reference combine, cached like the GEMMs."""
     arch = arch or default_arch()
-    return _cached((*_versions(), arch, "combine", block_m), lambda: build_combine(block_m, arch))
+    return _cached(
+        (*_versions(), arch, "combine", block_m, rows_per_item),
+        lambda: build_combine(block_m, arch, rows_per_item=rows_per_item),
+    )

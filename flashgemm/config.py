@@ -42,11 +42,10 @@ class GemmConfig:
     cluster_m: int = 1
     cluster_n: int = 1
     consumer_warpgroups: int = 2
-    # Off by default: on H100 (2026-11-22 sweep) evict-first weights made
-    # tile_m=64 runs 11-19% slower whenever an expert spans two m-blocks (the
-    # second block's CTA re-reads an evicted weight tile: dsv3-ep32 gate_up
-    # 288 vs 253 us) and gained <1% elsewhere in bf16. The fp8 heuristic turns
-    # it on where every expert should fit one m-block (see choose_config).
+    # Off by default, on where choose_config expects every expert to fit one
+    # m-block. Where an expert spans two m-blocks the second block's CTA
+    # re-reads an evicted weight tile (H100, 2026-11-22 sweep: tile_m=64 on
+    # dsv3-ep32 gate_up 288 vs 253 us); see choose_config for the gains.
     l2_hints: bool = False
 
     # ---- derived facts -------------------------------------------------
@@ -162,11 +161,17 @@ class GemmConfig:
 # prefill: two consumer warpgroups sharing each B tile halve its
 # shared-memory traffic per FLOP. All pair CTAs along N to multicast A
 # (1-4% faster in every case of the sweep).
-DECODE_CONFIG = GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2)
-DECODE_128_CONFIG = GemmConfig(tile_m=128, tile_n=64, consumer_warpgroups=2, cluster_n=2)
+# Every decode tile is hinted (l2_hints): expected_m + 30% stays inside one
+# m-block in all three, so each weight tile is read by one cluster only.
+DECODE_CONFIG = GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2, l2_hints=True)
+DECODE_128_CONFIG = GemmConfig(
+    tile_m=128, tile_n=64, consumer_warpgroups=2, cluster_n=2, l2_hints=True
+)
 # expected_m 97..144: m_e stays under 192 (+30%), so a 192-row tile holds each
 # expert in one m-block where 128-row tiles cut most of them in two.
-MID_192_CONFIG = GemmConfig(tile_m=192, tile_n=64, consumer_warpgroups=3, cluster_n=2)
+MID_192_CONFIG = GemmConfig(
+    tile_m=192, tile_n=64, consumer_warpgroups=3, cluster_n=2, l2_hints=True
+)
 MID_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n=2)
 PREFILL_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, cluster_n=2)
 _REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_192_CONFIG, MID_CONFIG, PREFILL_CONFIG)
@@ -174,9 +179,11 @@ _REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_192_CONFIG, MID_CONFIG,
 # Block-scaled fp8: 128-deep stages (one scale block each). Two accumulator
 # sets per thread (running sum + one k-block's products) cap tile_n at 192,
 # so prefill keeps the 128x128 tile. See choose_config for the measurements.
-FP8_DECODE_CONFIG = GemmConfig(tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1, cluster_n=2)
+FP8_DECODE_CONFIG = GemmConfig(
+    tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1, cluster_n=2, l2_hints=True
+)
 FP8_MID_CONFIG = dataclasses.replace(MID_CONFIG, tile_k=128)
-FP8_MID_N64_CONFIG = dataclasses.replace(DECODE_128_CONFIG, tile_k=128)
+FP8_MID_N64_CONFIG = dataclasses.replace(DECODE_128_CONFIG, tile_k=128, l2_hints=False)
 _FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_MID_CONFIG, FP8_MID_N64_CONFIG) + tuple(
     dataclasses.replace(c, l2_hints=True) for c in (FP8_MID_CONFIG, FP8_MID_N64_CONFIG)
 )
@@ -228,6 +235,15 @@ def choose_config(
       128x64 and 239.1 for 64x128);
     * expected_m 1024: 128x256 (dsv3-prefill gate_up 435 vs 457 us for 128x128).
 
+    The three decode tiles (expected_m <= 144) load the weights evict-first
+    and the activations evict-last (``l2_hints``). A/B on H100, 2026-11-23,
+    each (case, config) in its own process after an L2 flush, twice, the two
+    runs within 0.1 us: qwen3-30b-ep8 42.9 -> 40.1 us, qwen3-235b-ep8 gate_up
+    152.3 -> 149.7 and down 78.8 -> 76.3, dsv3-ep32-down 97.9 -> 95.7,
+    dsv3-ep8-down 333.3 -> 329.3. (Timed in one process after a hinted kernel,
+    an unhinted one inherits L2 lines marked evict-last, which biased the
+    earlier in-process comparisons.)
+
     fp8 (`bench.py --dtype both --sweep`, same day, after partial tiles moved to
     16-byte stores): 64x128 with one consumer warpgroup for expected_m 32
     (dsv3-ep8 gate_up 340.7 us vs 359.4 for 128x128, down 183.2 vs 196.6); 128x128
@@ -242,7 +258,9 @@ def choose_config(
     expert should fit one 128-row m-block (expected_m <= 98), fp8 loads the
     weights evict-first and the activations evict-last (``l2_hints``):
     qwen3-235b-ep8-down 41.4 vs 44.0 us, qwen3-30b 23.1 vs 24.7 (128x64),
-    qwen3-235b-ep8-gate_up 79.7 vs 79.8 (same run; bf16 moved under 1%).
+    qwen3-235b-ep8-gate_up 79.7 vs 79.8 (same run); and the 64x128 decode tile
+    (separate processes, as for bf16, twice: dsv3-ep8 gate_up 337.3 -> 335.0 us,
+    down 175.7 -> 173.1).
     """
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     if fp8:
@@ -252,7 +270,7 @@ def choose_config(
             narrow = wave_efficiency(FP8_MID_N64_CONFIG, num_experts, m, n, num_sms)
             if narrow - wide >= 0.15:
                 cfg = FP8_MID_N64_CONFIG
-        if cfg is not FP8_DECODE_CONFIG and m * 1.3 <= cfg.tile_m:
+        if m * 1.3 <= cfg.tile_m:
             # every expert should fit one m-block (m_e up to expected_m + 30%),
             # so no second CTA re-reads a weight tile: load weights
             # evict-first, activations evict-last

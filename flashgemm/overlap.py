@@ -20,7 +20,12 @@ from .launcher import _device_facts, grouped_gemm_nt_masked
 from .signals import SignalLayout, alloc_signals
 from .validation import _check_tensor
 
-DEFAULT_MAX_POLLS = 2_000_000  # with <= 2 us back-off: a few seconds before giving up
+DEFAULT_MAX_POLLS = 20_000_000  # with <= 256 ns back-off: ~5 s before giving up
+# 4-row items: on H100 (bench_overlap.py, combine on 20 SMs, two runs each)
+# overlapped / longer alone for 8 / 4 / 2 rows: dsv3-ep32-down 1.13-1.10 /
+# 1.09-1.11 / 1.11-1.08, qwen3-235b-ep8-down 1.12-1.11 / 1.08 / 1.09-1.08,
+# qwen3-30b 1.06 / 1.06 / 1.06-1.07; the combine alone takes longest at 2.
+DEFAULT_ROWS_PER_ITEM = 4
 
 
 def _check(name, t, dtype, shape):
@@ -43,25 +48,43 @@ def combine_masked(
     num_sms: int,
     max_polls: int = DEFAULT_MAX_POLLS,
     err: Optional[torch.Tensor] = None,
+    rows_per_item: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the reference combine on the current stream; returns the int32
     error word (see ``combine.py``), which the caller reads after a sync.
 
     For every valid row r of expert e: ``combined[token_idx[e, r]] += weight[e, r] * out[e, r]``,
     each m-block once its counter in ``dst_signals`` reaches ``layout.n_tiles``.
+    rows_per_item: rows of one work item (a power of two dividing
+    ``layout.block_m``; default ``DEFAULT_ROWS_PER_ITEM``). Smaller items
+    spread the last m-block over more CTAs.
     """
     if not isinstance(layout, SignalLayout) or layout.granularity != "m_block":
         raise ValueError("combine_masked needs the 'm_block' SignalLayout of the GEMM call")
+    if not isinstance(max_polls, int) or not 1 <= max_polls < 2**31:
+        raise ValueError(f"max_polls must be an int in [1, 2**31), got {max_polls!r}")
+    if rows_per_item is None:
+        rows_per_item = DEFAULT_ROWS_PER_ITEM
+    if (isinstance(rows_per_item, bool) or not isinstance(rows_per_item, int) or rows_per_item < 1
+            or rows_per_item & (rows_per_item - 1) or layout.block_m % rows_per_item):
+        raise ValueError(
+            f"rows_per_item must be a power of two dividing block_m={layout.block_m}, got {rows_per_item!r}"
+        )
     if not isinstance(out, torch.Tensor) or out.dim() != 3:
         raise ValueError("out must be the [E, max_m, N] GEMM output")
     e_count, max_m, n = out.shape
     _check("out", out, torch.bfloat16, (e_count, max_m, n))
+    if n % 8:
+        raise ValueError(f"out's N must be a multiple of 8 (16-byte rows), got {n}")
     _check("masked_m", masked_m, torch.int32, (e_count,))
     _check("token_idx", token_idx, torch.int32, (e_count, max_m))
     _check("weight", weight, torch.float32, (e_count, max_m))
     if not isinstance(combined, torch.Tensor) or combined.dim() != 2:
         raise ValueError("combined must be a [T, N] float32 tensor")
     _check("combined", combined, torch.float32, (combined.shape[0], n))
+    if combined.data_ptr() % 16:
+        # rows leave by 16-byte-aligned bulk reductions
+        raise ValueError("combined must start at a 16-byte aligned address")
     if dst_signals.dtype != torch.int32 or dst_signals.numel() < layout.size:
         raise ValueError(f"dst_signals must be int32 with at least {layout.size} entries")
     if err is None:
@@ -76,12 +99,10 @@ def combine_masked(
     sm_count = _device_facts(out.device.index)[1]
     if isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 1 <= num_sms <= sm_count:
         raise ValueError(f"num_sms must be an int in [1, {sm_count}], got {num_sms!r}")
-    if not isinstance(max_polls, int) or max_polls < 1:
-        raise ValueError(f"max_polls must be a positive int, got {max_polls!r}")
 
     from .compile import get_combine_kernel
 
-    fn = get_combine_kernel(layout.block_m)
+    fn = get_combine_kernel(layout.block_m, rows_per_item)
     fn(out, masked_m, dst_signals, token_idx, weight, combined, err, layout.n_tiles, max_polls, num_sms)
     return err
 
@@ -105,6 +126,7 @@ def run_gemm_and_combine(
     config=None,
     out: Optional[torch.Tensor] = None,
     max_polls: int = DEFAULT_MAX_POLLS,
+    rows_per_item: Optional[int] = None,
 ):
     """An MoE layer's GEMM with its combine overlapped: the combine runs on a
     side stream and ships each m-block as soon as the GEMM signals it.
@@ -136,7 +158,7 @@ def run_gemm_and_combine(
     side.wait_event(ready)
     with torch.cuda.stream(side):
         err = combine_masked(out, masked_m, signals, layout, token_idx, weight, combined,
-                             num_sms=combine_sms, max_polls=max_polls)
+                             num_sms=combine_sms, max_polls=max_polls, rows_per_item=rows_per_item)
     main.wait_stream(side)
     for t in (out, signals, combined, err, token_idx, weight):
         t.record_stream(side)

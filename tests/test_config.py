@@ -26,6 +26,17 @@ def test_heuristic_regimes(expected_m, want):
     assert choose_config(expected_m, 4096, 4096, 7168, 132) == want
 
 
+@pytest.mark.parametrize("expected_m", [1, 32, 48, 64, 96, 97, 144, 145, 256, 1024])
+def test_bf16_l2_hints_only_where_every_expert_fits_one_m_block(expected_m):
+    # evict-first weights are safe only if no second m-block's CTA re-reads
+    # them: m_e up to expected_m + 30% must fit one tile
+    cfg = choose_config(expected_m, 4096, 4096, 7168, 132)
+    assert cfg.l2_hints == (expected_m * 1.3 <= cfg.tile_m)
+    assert cfg.l2_hints == (expected_m <= 144)
+    fp8 = choose_config(expected_m, 4096, 4096, 7168, 132, fp8=True, num_experts=8)
+    assert fp8.l2_hints == (expected_m * 1.3 <= fp8.tile_m)
+
+
 def test_heuristic_is_host_only_and_bounded():
     # no hint: assume every row is valid; the hint is clamped to max_m
     assert choose_config(None, 64, 4096, 7168, 132) == choose_config(64, 64, 4096, 7168, 132)

@@ -77,7 +77,8 @@ def test_overlapped_combine_never_reads_stale_rows(config, seed):
         combined = torch.zeros(num_tokens, n, device="cuda")
         gemm_sms = sm_count - 16 - (it % 3) * 16
         out, err = run_gemm_and_combine(
-            a, b, masked_m, token_idx, weight, combined, gemm_sms=gemm_sms, config=config, out=out
+            a, b, masked_m, token_idx, weight, combined, gemm_sms=gemm_sms, config=config, out=out,
+            rows_per_item=(1, 2, 4, 8, 64)[it % 5],
         )
         torch.cuda.synchronize()
         assert int(err) == 0

@@ -92,7 +92,48 @@ def test_combine_ptx_polls_with_acquire_and_backoff():
     assert "nanosleep" in ptx  # back-off between polls
     assert "atom.global.or.b32" in ptx  # timeout / bad-token error bits
     assert "ld.global.v4" in ptx  # 16-byte loads of the GEMM output rows
-    assert "red.relaxed.gpu.global.add.v4.f32" in ptx  # 4 floats per atomic
+    # rows are staged in shared memory and added by the bulk-copy engine
+    assert "fence.proxy.async.shared::cta" in ptx
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
+    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)  # double-buffered staging
+
+
+def test_combine_rejects_a_misaligned_output():
+    from flashgemm.overlap import combine_masked
+
+    e_count, max_m, n, tokens = 2, 64, 128, 16
+    layout = signal_layout(e_count, max_m, n, 64, config=DECODE_CONFIG, num_sms=8)
+    args = (
+        torch.zeros(e_count, max_m, n, dtype=torch.bfloat16),
+        torch.zeros(e_count, dtype=torch.int32),
+        torch.zeros(layout.size, dtype=torch.int32),
+        layout,
+        torch.zeros(e_count, max_m, dtype=torch.int32),
+        torch.zeros(e_count, max_m),
+    )
+    combined = torch.zeros(tokens * n + 1)[1:].view(tokens, n)  # 4 bytes past an aligned base
+    with pytest.raises(ValueError, match="combined must start at a 16-byte aligned"):
+        combine_masked(*args, combined, num_sms=8)
+
+
+@pytest.mark.parametrize("rows", [0, 3, 128, True, 4.0])
+def test_combine_rejects_bad_rows_per_item(rows):
+    from flashgemm.overlap import combine_masked
+
+    e_count, max_m, n = 2, 64, 128
+    layout = signal_layout(e_count, max_m, n, 64, config=DECODE_CONFIG, num_sms=8)  # block_m 64
+    with pytest.raises(ValueError, match="rows_per_item must be a power of two dividing block_m=64"):
+        combine_masked(
+            torch.zeros(e_count, max_m, n, dtype=torch.bfloat16),
+            torch.zeros(e_count, dtype=torch.int32),
+            torch.zeros(layout.size, dtype=torch.int32),
+            layout,
+            torch.zeros(e_count, max_m, dtype=torch.int32),
+            torch.zeros(e_count, max_m),
+            torch.zeros(16, n),
+            num_sms=8,
+            rows_per_item=rows,
+        )
 
 
 def test_signal_layout_follows_the_fp8_wave_rule():
