@@ -260,7 +260,12 @@ def choose_config(
     qwen3-235b-ep8-down 41.4 vs 44.0 us, qwen3-30b 23.1 vs 24.7 (128x64),
     qwen3-235b-ep8-gate_up 79.7 vs 79.8 (same run); and the 64x128 decode tile
     (separate processes, as for bf16, twice: dsv3-ep8 gate_up 337.3 -> 335.0 us,
-    down 175.7 -> 173.1).
+    down 175.7 -> 173.1). The 128x128 tile is hinted as well where an expert
+    spans at most two m-blocks that run in the same round (same A/B:
+    dsv3-ep32-down 59.8 -> 56.4 us, gate_up 100.1 -> 97.9; 56 and 32 units per
+    expert on 66 clusters). An earlier in-process sweep had seen bf16 64x128
+    tiles lose with hints on dsv3-ep32 (three m-blocks per expert), so the
+    rule stops at two.
     """
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     if fp8:
@@ -270,10 +275,15 @@ def choose_config(
             narrow = wave_efficiency(FP8_MID_N64_CONFIG, num_experts, m, n, num_sms)
             if narrow - wide >= 0.15:
                 cfg = FP8_MID_N64_CONFIG
-        if m * 1.3 <= cfg.tile_m:
-            # every expert should fit one m-block (m_e up to expected_m + 30%),
-            # so no second CTA re-reads a weight tile: load weights
-            # evict-first, activations evict-last
+        clusters = max(1, num_sms // cfg.cluster_n)
+        if m * 1.3 <= cfg.tile_m or (
+            m * 1.3 <= 2 * cfg.tile_m and 2 * cfg.n_groups(n) <= clusters
+        ):
+            # Load weights evict-first, activations evict-last where every
+            # expert fits one m-block (m_e up to expected_m + 30%), so no second
+            # CTA re-reads a weight tile, or two m-blocks whose units all fit
+            # one round of the grid, so the second read of a weight tile comes
+            # while the first is still in L2.
             cfg = dataclasses.replace(cfg, l2_hints=True)
     elif m <= 48:
         cfg = DECODE_CONFIG

@@ -33,8 +33,12 @@ def test_bf16_l2_hints_only_where_every_expert_fits_one_m_block(expected_m):
     cfg = choose_config(expected_m, 4096, 4096, 7168, 132)
     assert cfg.l2_hints == (expected_m * 1.3 <= cfg.tile_m)
     assert cfg.l2_hints == (expected_m <= 144)
+    # fp8 also hints 128x128 tiles when an expert's two m-blocks fit one round:
+    # 2 x 16 n-groups of N=4096 on 66 clusters yes, 2 x 64 of N=16384 no
     fp8 = choose_config(expected_m, 4096, 4096, 7168, 132, fp8=True, num_experts=8)
-    assert fp8.l2_hints == (expected_m * 1.3 <= fp8.tile_m)
+    assert fp8.l2_hints == (expected_m * 1.3 <= 2 * fp8.tile_m)
+    wide = choose_config(expected_m, 4096, 16384, 7168, 132, fp8=True, num_experts=8)
+    assert wide.l2_hints == (expected_m * 1.3 <= wide.tile_m)
 
 
 def test_heuristic_is_host_only_and_bounded():
@@ -69,9 +73,12 @@ def test_fp8_heuristic_regimes():
     # expected_m 64: every expert fits one 128-row m-block, so the L2 hints are on
     assert choose_config(64, 1024, 4096, 1536, 132, fp8=True) == replace(FP8_MID_CONFIG, l2_hints=True)
     assert choose_config(98, 1024, 4096, 1536, 132, fp8=True).l2_hints
-    assert not choose_config(99, 1024, 4096, 1536, 132, fp8=True).l2_hints
-    assert choose_config(128, 4096, 7168, 2048, 132, fp8=True) == FP8_MID_CONFIG
-    assert choose_config(128, 4096, 4096, 7168, 132, fp8=True) == FP8_MID_CONFIG
+    # 99 rows: two m-blocks; their 2 x 16 units fit the 66 clusters of 132 SMs
+    assert choose_config(99, 1024, 4096, 1536, 132, fp8=True).l2_hints
+    assert not choose_config(99, 1024, 4096, 1536, 40, fp8=True).l2_hints
+    assert not choose_config(197, 4096, 4096, 7168, 132, fp8=True).l2_hints  # three m-blocks
+    assert choose_config(128, 4096, 7168, 2048, 132, fp8=True) == replace(FP8_MID_CONFIG, l2_hints=True)
+    assert choose_config(128, 4096, 4096, 7168, 132, fp8=True) == replace(FP8_MID_CONFIG, l2_hints=True)
     assert choose_config(1024, 4096, 4096, 7168, 132, fp8=True) == FP8_MID_CONFIG
     single = choose_config(32, 1024, 4096, 7168, 1, fp8=True)
     assert single.cluster_n == 1 and single in FP8_HEURISTIC_CONFIGS
@@ -101,8 +108,11 @@ def test_fp8_wave_rule_picks_narrow_tiles_only_for_a_nearly_empty_last_round():
     for name in ("dsv3-ep32-gate_up", "dsv3-ep32-down", "qwen3-235b-ep8-gate_up", "qwen3-235b-ep8-down",
                  "dsv3-prefill-gate_up"):
         assert replace(pick(name), l2_hints=False) == FP8_MID_CONFIG, name
-    # experts of up to 166 rows span two m-blocks there: no evict-first weights
-    assert not pick("dsv3-ep32-down").l2_hints and not pick("dsv3-ep32-gate_up").l2_hints
+    # experts of up to 166 rows span two m-blocks there, whose 2 x 28 (down) and
+    # 2 x 16 (gate_up) units fit one round of 66 clusters: hinted
+    assert pick("dsv3-ep32-down").l2_hints and pick("dsv3-ep32-gate_up").l2_hints
+    # on 24 SMs (12 clusters) they do not: the second read comes a round later
+    assert not pick("dsv3-ep32-down", num_sms=24).l2_hints
     # small-m decode keeps its own tile; without num_experts the rule is off
     assert pick("dsv3-ep8-gate_up").tile_m == 64
     assert choose_config(64, 1024, 1536, 2048, 132, fp8=True).tile_n == 128
