@@ -91,10 +91,9 @@ class MaskedCombineSm90:
     """
 
     def __init__(self, block_m: int, rows_per_item: int):
-        if rows_per_item < 1 or rows_per_item & (rows_per_item - 1) or block_m % rows_per_item:
-            raise ValueError(
-                f"rows_per_item must be a power of two dividing block_m={block_m}, got {rows_per_item}"
-            )
+        from .overlap import check_rows_per_item
+
+        check_rows_per_item(rows_per_item, block_m)
         self.block_m = block_m
         self.rows_per_item = rows_per_item
 

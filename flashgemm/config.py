@@ -43,9 +43,9 @@ class GemmConfig:
     cluster_n: int = 1
     consumer_warpgroups: int = 2
     # Off by default, on where choose_config expects every expert to fit one
-    # m-block. Where an expert spans two m-blocks the second block's CTA
-    # re-reads an evicted weight tile (H100, 2026-11-22 sweep: tile_m=64 on
-    # dsv3-ep32 gate_up 288 vs 253 us); see choose_config for the gains.
+    # m-block (fp8 128x128: two, run in the same round). Otherwise a later
+    # m-block's CTA re-reads an evicted weight tile (H100, 2026-11-22 sweep:
+    # tile_m=64 on dsv3-ep32 gate_up 288 vs 253 us); see choose_config.
     l2_hints: bool = False
 
     # ---- derived facts -------------------------------------------------
@@ -67,6 +67,10 @@ class GemmConfig:
     def n_groups(self, n: int) -> int:
         """Units of work along N: ceil(ceil(N / tile_n) / cluster_n)."""
         return -(-(-(-n // self.tile_n)) // self.cluster_n)
+
+    def n_clusters(self, num_sms: int) -> int:
+        """Clusters a persistent grid capped at num_sms runs at once (at least 1)."""
+        return max(1, num_sms // self.cluster_n)
 
     def stage_bytes(self, elem_bytes: int = 2) -> int:
         operands = (self.tile_m + self.tile_n) * self.tile_k * elem_bytes
@@ -204,7 +208,7 @@ def wave_efficiency(cfg: GemmConfig, num_experts: int, expected_m: int, n: int, 
     the time: expected_m / tile_m + 0.5 m-blocks per expert, at least one."""
     m_blocks = max(1.0, expected_m / cfg.tile_m + 0.5)
     units = max(1, round(num_experts * m_blocks * cfg.n_groups(n)))
-    clusters = max(1, num_sms // cfg.cluster_n)
+    clusters = cfg.n_clusters(num_sms)
     return units / (-(-units // clusters) * clusters)
 
 
@@ -238,7 +242,7 @@ def choose_config(
     The three decode tiles (expected_m <= 144) load the weights evict-first
     and the activations evict-last (``l2_hints``). A/B on H100, 2026-11-23,
     each (case, config) in its own process after an L2 flush, twice, the two
-    runs within 0.1 us: qwen3-30b-ep8 42.9 -> 40.1 us, qwen3-235b-ep8 gate_up
+    runs within 0.2 us: qwen3-30b-ep8 42.9 -> 40.1 us, qwen3-235b-ep8 gate_up
     152.3 -> 149.7 and down 78.8 -> 76.3, dsv3-ep32-down 97.9 -> 95.7,
     dsv3-ep8-down 333.3 -> 329.3. (Timed in one process after a hinted kernel,
     an unhinted one inherits L2 lines marked evict-last, which biased the
@@ -275,9 +279,8 @@ def choose_config(
             narrow = wave_efficiency(FP8_MID_N64_CONFIG, num_experts, m, n, num_sms)
             if narrow - wide >= 0.15:
                 cfg = FP8_MID_N64_CONFIG
-        clusters = max(1, num_sms // cfg.cluster_n)
         if m * 1.3 <= cfg.tile_m or (
-            m * 1.3 <= 2 * cfg.tile_m and 2 * cfg.n_groups(n) <= clusters
+            m * 1.3 <= 2 * cfg.tile_m and 2 * cfg.n_groups(n) <= cfg.n_clusters(num_sms)
         ):
             # Load weights evict-first, activations evict-last where every
             # expert fits one m-block (m_e up to expected_m + 30%), so no second

@@ -28,6 +28,15 @@ DEFAULT_MAX_POLLS = 20_000_000  # with <= 256 ns back-off: ~5 s before giving up
 DEFAULT_ROWS_PER_ITEM = 4
 
 
+def check_rows_per_item(rows_per_item, block_m: int) -> None:
+    """A combine work item must be a power-of-two slice of one GEMM m-block."""
+    if (isinstance(rows_per_item, bool) or not isinstance(rows_per_item, int) or rows_per_item < 1
+            or rows_per_item & (rows_per_item - 1) or block_m % rows_per_item):
+        raise ValueError(
+            f"rows_per_item must be a power of two dividing block_m={block_m}, got {rows_per_item!r}"
+        )
+
+
 def _check(name, t, dtype, shape):
     _check_tensor(name, t, len(shape), (dtype,))
     if tuple(t.shape) != tuple(shape):
@@ -65,11 +74,7 @@ def combine_masked(
         raise ValueError(f"max_polls must be an int in [1, 2**31), got {max_polls!r}")
     if rows_per_item is None:
         rows_per_item = DEFAULT_ROWS_PER_ITEM
-    if (isinstance(rows_per_item, bool) or not isinstance(rows_per_item, int) or rows_per_item < 1
-            or rows_per_item & (rows_per_item - 1) or layout.block_m % rows_per_item):
-        raise ValueError(
-            f"rows_per_item must be a power of two dividing block_m={layout.block_m}, got {rows_per_item!r}"
-        )
+    check_rows_per_item(rows_per_item, layout.block_m)
     if not isinstance(out, torch.Tensor) or out.dim() != 3:
         raise ValueError("out must be the [E, max_m, N] GEMM output")
     e_count, max_m, n = out.shape

@@ -27,7 +27,7 @@ def test_heuristic_regimes(expected_m, want):
 
 
 @pytest.mark.parametrize("expected_m", [1, 32, 48, 64, 96, 97, 144, 145, 256, 1024])
-def test_bf16_l2_hints_only_where_every_expert_fits_one_m_block(expected_m):
+def test_l2_hints_only_where_weight_tiles_are_not_reread_after_eviction(expected_m):
     # evict-first weights are safe only if no second m-block's CTA re-reads
     # them: m_e up to expected_m + 30% must fit one tile
     cfg = choose_config(expected_m, 4096, 4096, 7168, 132)

@@ -98,12 +98,11 @@ def test_combine_ptx_polls_with_acquire_and_backoff():
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)  # double-buffered staging
 
 
-def test_combine_rejects_a_misaligned_output():
-    from flashgemm.overlap import combine_masked
-
-    e_count, max_m, n, tokens = 2, 64, 128, 16
+def _cpu_combine_args(e_count=2, max_m=64, n=128):
+    """combine_masked's arguments up to ``combined``, on the CPU (validation
+    only), with the m_block layout of a DECODE_CONFIG call (block_m 64)."""
     layout = signal_layout(e_count, max_m, n, 64, config=DECODE_CONFIG, num_sms=8)
-    args = (
+    return (
         torch.zeros(e_count, max_m, n, dtype=torch.bfloat16),
         torch.zeros(e_count, dtype=torch.int32),
         torch.zeros(layout.size, dtype=torch.int32),
@@ -111,29 +110,27 @@ def test_combine_rejects_a_misaligned_output():
         torch.zeros(e_count, max_m, dtype=torch.int32),
         torch.zeros(e_count, max_m),
     )
+
+
+def test_combine_rejects_a_misaligned_output():
+    from flashgemm.overlap import combine_masked
+
+    tokens, n = 16, 128
     combined = torch.zeros(tokens * n + 1)[1:].view(tokens, n)  # 4 bytes past an aligned base
     with pytest.raises(ValueError, match="combined must start at a 16-byte aligned"):
-        combine_masked(*args, combined, num_sms=8)
+        combine_masked(*_cpu_combine_args(n=n), combined, num_sms=8)
 
 
 @pytest.mark.parametrize("rows", [0, 3, 128, True, 4.0])
 def test_combine_rejects_bad_rows_per_item(rows):
+    from flashgemm.combine import MaskedCombineSm90
     from flashgemm.overlap import combine_masked
 
-    e_count, max_m, n = 2, 64, 128
-    layout = signal_layout(e_count, max_m, n, 64, config=DECODE_CONFIG, num_sms=8)  # block_m 64
-    with pytest.raises(ValueError, match="rows_per_item must be a power of two dividing block_m=64"):
-        combine_masked(
-            torch.zeros(e_count, max_m, n, dtype=torch.bfloat16),
-            torch.zeros(e_count, dtype=torch.int32),
-            torch.zeros(layout.size, dtype=torch.int32),
-            layout,
-            torch.zeros(e_count, max_m, dtype=torch.int32),
-            torch.zeros(e_count, max_m),
-            torch.zeros(16, n),
-            num_sms=8,
-            rows_per_item=rows,
-        )
+    match = "rows_per_item must be a power of two dividing block_m=64"
+    with pytest.raises(ValueError, match=match):
+        combine_masked(*_cpu_combine_args(), torch.zeros(16, 128), num_sms=8, rows_per_item=rows)
+    with pytest.raises(ValueError, match=match):  # the kernel class checks the same rule
+        MaskedCombineSm90(64, rows)
 
 
 def test_signal_layout_follows_the_fp8_wave_rule():
