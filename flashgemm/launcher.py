@@ -100,6 +100,7 @@ def grouped_gemm_nt_masked(
     config: Optional[GemmConfig] = None,
     dst_signals: Optional[torch.Tensor] = None,
     signal_granularity: str = "m_block",
+    stream: Optional[torch.cuda.Stream] = None,
 ):
     """``out[e, :m_e] = a[e, :m_e] @ b[e].T`` for every expert, m_e = clamp(masked_m[e], 0, max_m).
 
@@ -107,7 +108,8 @@ def grouped_gemm_nt_masked(
     out: [E, max_m, N] bf16, N contiguous, or None to allocate (rows >= m_e of a
     fresh tensor are uninitialized). masked_m: int32 [E] on the same GPU, read
     only by the kernel. Rows ``out[e, m_e:]`` and all memory outside ``out``
-    are never written. Runs on the current torch stream; no host sync.
+    are never written. Runs on the current torch stream, or on ``stream``
+    (a ``torch.cuda.Stream`` of a's GPU) if given; no host sync.
 
     Block-scaled fp8 (DeepSeek-V3 recipe): a and b float8_e4m3fn (K and N
     multiples of 16), out bf16, with a_scale float32 [E, max_m, ceil(K/128)]
@@ -128,36 +130,70 @@ def grouped_gemm_nt_masked(
     the :class:`SignalLayout` used (the same ``signal_layout(...)`` gives
     before the launch); without, it returns ``out``.
     """
+    if stream is not None:
+        _check_stream(stream, a)
+        with torch.cuda.stream(stream):
+            return grouped_gemm_nt_masked(
+                a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, expected_m=expected_m,
+                num_sms=num_sms, config=config, dst_signals=dst_signals,
+                signal_granularity=signal_granularity,
+            )
     try:
-        # Everything the checks below depend on except the pointers: the same
-        # signature again (the serving steady state) skips straight to the
-        # pointer checks and the launch (~15 us of host time saved per call).
-        # (one flat expression: ~1.8 us, a helper call per tensor costs 1 us more)
+        # The launch plan for this signature: what the checks depend on that the
+        # compiled function does not check itself. Its TVM-FFI wrapper refuses,
+        # before launching, any dtype other than the compiled ones, shapes not
+        # tied to a's (E, max_m, K) and b's N (out, masked_m, a_scale's E and
+        # max_m), inner strides other than 1, unaligned strides or bases, and
+        # tensors on different devices. It takes uint32 for int32, so those two
+        # dtypes are keyed. (Keying every tensor's dtype, shape, stride and
+        # device cost 1 us more per call on the development CPU: 2.8 vs 1.8.)
         key = (
-            a.dtype, a.shape, a.stride(), a.get_device(),
-            b.dtype, b.shape, b.stride(), b.get_device(),
-            masked_m.dtype, masked_m.shape, masked_m.stride(), masked_m.get_device(),
-            None if out is None else (out.dtype, out.shape, out.stride(), out.get_device()),
-            None if a_scale is None else (a_scale.dtype, a_scale.shape, a_scale.stride(), a_scale.get_device()),
-            None if b_scale is None else (b_scale.dtype, b_scale.shape, b_scale.stride(), b_scale.get_device()),
-            None if dst_signals is None else (
-                dst_signals.dtype, dst_signals.shape, dst_signals.stride(), dst_signals.get_device()
-            ),
+            a.dtype, a.shape, a.stride(), a.get_device(), b.shape, b.stride(), masked_m.dtype,
+            None if out is None else out.stride(),
+            None if a_scale is None else (a_scale.shape, a_scale.stride()),
+            None if b_scale is None else (b_scale.shape, b_scale.stride()),
+            None if dst_signals is None else (dst_signals.dtype, dst_signals.shape),
             expected_m, type(expected_m), num_sms, type(num_sms), config, signal_granularity,
         )
         plan = _PLANS.get(key)
+        if plan is not None and not plan.pointers_ok(a, b, masked_m, out, a_scale, b_scale, dst_signals):
+            plan = None
     except (AttributeError, TypeError):  # not tensors, unhashable: the full checks explain
         key, plan = None, None
-    if plan is None or not plan.pointers_ok((a, b, masked_m, out, a_scale, b_scale, dst_signals)):
-        plan = _make_plan(
-            a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config,
-            dst_signals, signal_granularity,
-        )
-        if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+    if plan is not None:
+        try:
+            return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals)
+        except Exception as refused:  # noqa: BLE001 - re-raised below unless a clearer error exists
+            # The compiled function's own checks refused an argument the key
+            # does not cover (say masked_m of another dtype, or out of another
+            # shape) before launching: every check below names the argument.
+            _explain(refused, a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config,
+                     dst_signals, signal_granularity)
+    plan = _make_plan(
+        a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals, signal_granularity
+    )
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
     return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals)
+
+
+def _check_stream(stream, a) -> None:
+    if not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+    if isinstance(a, torch.Tensor) and a.device != stream.device:
+        raise ValueError(f"stream is on {stream.device} but a is on {a.device}")
+
+
+def _explain(refused: Exception, *args):
+    """Raise the full checks' error for these arguments (chained to the
+    compiled function's ``refused``), or ``refused`` itself if they pass."""
+    try:
+        _make_plan(*args)
+    except (TypeError, ValueError) as clear:
+        raise clear from refused
+    raise refused
 
 
 _PLANS: dict = {}
@@ -170,8 +206,8 @@ class _LaunchPlan:
     that must run on every call (alignment and aliasing depend on addresses)."""
 
     __slots__ = (
-        "fn", "num_ctas", "layout", "index", "out_shape", "out_dtype", "copy_a_scale",
-        "present", "aligned", "written", "extents", "unused_signals", "last_ok",
+        "fn", "num_ctas", "layout", "out_shape", "out_dtype", "copy_a_scale",
+        "aligned", "written", "extents", "unused_signals", "last_ok",
     )
 
     def __init__(self, **kw):
@@ -179,14 +215,23 @@ class _LaunchPlan:
         for name, value in kw.items():
             setattr(self, name, value)
 
-    def pointers_ok(self, tensors) -> bool:
+    def pointers_ok(self, a, b, masked_m, out, a_scale, b_scale, dst_signals) -> bool:
         """The address-dependent checks of ``validate_args`` (alignment, no
         aliasing of what the kernel writes); False sends the call through the
-        full checks, which name the problem. ``tensors``: (a, b, masked_m, out,
-        a_scale, b_scale, dst_signals), None where absent."""
-        # (written for the interpreter: ~1 us per call for four tensors, 0.5 us
-        # when the addresses are those of the last call that passed)
-        ptrs = [tensors[i].data_ptr() for i in self.present]
+        full checks, which name the problem. Absent tensors are None, as when
+        the plan was made (the signature key says which are present)."""
+        # (written for the interpreter: 0.4 us per call for four tensors when
+        # the addresses are those of the last call that passed, on the
+        # development CPU; a comprehension over all seven took 0.6)
+        ptrs = [a.data_ptr(), b.data_ptr(), masked_m.data_ptr()]
+        if out is not None:
+            ptrs.append(out.data_ptr())
+        if a_scale is not None:
+            ptrs.append(a_scale.data_ptr())
+        if b_scale is not None:
+            ptrs.append(b_scale.data_ptr())
+        if dst_signals is not None:
+            ptrs.append(dst_signals.data_ptr())
         if ptrs == self.last_ok:
             return True
         extents = self.extents
@@ -211,19 +256,16 @@ class _LaunchPlan:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=a.device)
         if self.copy_a_scale:
             a_scale = tma_ready_a_scale(a_scale)
-        signals = dst_signals if dst_signals is not None else self.unused_signals
-        if self.index == _current_device():
-            self.fn(a, b, out, masked_m, signals, a_scale, b_scale, self.num_ctas)
-        else:
-            # launch on the tensors' GPU and its current stream, not the caller's device
-            with torch.cuda.device(self.index):
-                self.fn(a, b, out, masked_m, signals, a_scale, b_scale, self.num_ctas)
+        # On the tensors' GPU and its current torch stream, whatever the current
+        # device: tvm_ffi passes the current stream of the first CUDA tensor's
+        # device, and the compiled function switches to that device around the
+        # launch. (Checking the current device here cost 0.6 us per call on the
+        # H100 machine's CPU.)
+        self.fn(
+            a, b, out, masked_m, self.unused_signals if dst_signals is None else dst_signals,
+            a_scale, b_scale, self.num_ctas,
+        )
         return out if self.layout is None else (out, self.layout)
-
-
-# torch.cuda.current_device() without its lazy-init check (0.3 us -> 0.1 us);
-# the plan exists only after a launch-ready CUDA context was seen
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def _extent(t) -> int:
@@ -273,7 +315,6 @@ def _make_plan(
         fn=getattr(fn, "__tvm_ffi_object__", lambda: None)() or fn,
         num_ctas=num_ctas,
         layout=layout,
-        index=index,
         out_shape=(e_count, max_m, n),
         out_dtype=d_dtype,
         copy_a_scale=copy_a_scale,
@@ -291,7 +332,6 @@ def _pointer_rules(tensors, copy_a_scale: bool) -> dict:
     if not copy_a_scale and 4 in pos:
         aligned.append(pos[4])
     return dict(
-        present=tuple(present),
         aligned=tuple(aligned),
         written=tuple(pos[i] for i in (3, 6) if i in pos),
         extents=tuple(_extent(tensors[i]) for i in present),

@@ -87,9 +87,9 @@ def time_fn(fn, warmup=5, reps=30):
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def time_graph(fn, reps=30, calls=10):
-    """Median milliseconds per call from CUDA-graph replays of `calls` back-to-back
-    calls: GPU time without host launch overhead (serving stacks capture graphs)."""
+def capture_graph(fn, calls=10):
+    """A CUDA graph of `calls` back-to-back calls of fn (run once before, on a
+    side stream, so compiles and allocations stay out of the capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -99,7 +99,25 @@ def time_graph(fn, reps=30, calls=10):
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return time_fn(graph.replay, warmup=3, reps=reps) / calls
+    return graph
+
+
+def time_graph(fn, reps=30, calls=10):
+    """Median milliseconds per call from CUDA-graph replays of `calls` back-to-back
+    calls: GPU time without host launch overhead (serving stacks capture graphs)."""
+    return time_fn(capture_graph(fn, calls).replay, warmup=3, reps=reps) / calls
+
+
+def time_graphs_interleaved(fns, rounds=5, reps=30, calls=10):
+    """Median milliseconds per call of each fn, its graph timed once per round
+    and the rounds interleaved (A B C, A B C, ...): drift of the GPU's state
+    over a run lands on every fn alike instead of on whichever ran last."""
+    graphs = [capture_graph(fn, calls) for fn in fns]
+    samples = [[] for _ in fns]
+    for _ in range(rounds):
+        for graph, times in zip(graphs, samples):
+            times.append(time_fn(graph.replay, warmup=3, reps=reps) / calls)
+    return [statistics.median(times) for times in samples]
 
 
 def host_us(fn, reps=200):

@@ -38,13 +38,17 @@ def main():
         "  first call of a signature: all checks": lambda: launcher._make_plan(
             a, b, out, mm, None, None, None, None, DECODE_CONFIG, None, "m_block"
         ),
-        "  later calls: pointer checks": lambda: plan.pointers_ok((a, b, mm, out, None, None, None)),
+        "  later calls: pointer checks": lambda: plan.pointers_ok(a, b, mm, out, None, None, None),
         "  get_kernel (cache hit)": lambda: get_kernel(DECODE_CONFIG),
         "  compiled fn call (DSL wrapper)": lambda: fn(a, b, out, mm, no_signals, None, None, 132),
         "  compiled fn call (TVM-FFI function)": lambda: plan.fn(a, b, out, mm, no_signals, None, None, 132),
         "  torch.cuda.current_device()": torch.cuda.current_device,
         "torch._grouped_mm 3D (peer)": lambda: torch._grouped_mm(a, b.transpose(-2, -1)),
     }
+    # tvm_ffi turns torch tensors into DLPack through torch's C exchange API
+    # when torch has one (2.10+), else through slower Python calls
+    fast = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+    print(f"torch {torch.__version__}; DLPack C exchange API: {'yes' if fast else 'no'}")
     for name, f in rows.items():
         print(f"{name:40s} {host_us(f, reps=2000):8.1f} us")
     cold_start()

@@ -5,9 +5,12 @@
 (b) GEMM on `gemm_sms` SMs and the reference combine on the rest: each alone,
     both sequential on one stream, and overlapped on two streams.
 Every time is per call from CUDA-graph replays (the overlapped fork/join is
-captured too), so host launch costs do not hide the GPU time.
+captured too), so host launch costs do not hide the GPU time. The graphs
+compared with each other are timed in interleaved rounds (median over
+rounds): timed one after the other, the signal cost of one case had moved
+between -0.5% and +4.8% across runs (H100, 2026-11-23).
 
-    python scripts/bench_overlap.py [--cases ...] [--combine-sms 20]
+    python scripts/bench_overlap.py [--cases ...] [--combine-sms 20 [28 ...]]
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
-from bench import CASES_FILE, draw_masked_m, time_graph  # noqa: E402
+from bench import CASES_FILE, draw_masked_m, time_graphs_interleaved  # noqa: E402
 from flashgemm.overlap import combine_masked, run_gemm_and_combine  # noqa: E402
 
 
-def run_case(case, seed, combine_sms, reps):
+def run_case(case, seed, combine_sms, reps, rounds):
     e_count, max_m, n, k, em = case["E"], case["max_m"], case["N"], case["K"], case["expected_m"]
     torch.manual_seed(seed)
     a = torch.randn(e_count, max_m, k, device="cuda", dtype=torch.bfloat16)
@@ -42,39 +45,38 @@ def run_case(case, seed, combine_sms, reps):
 
     layout_full = flashgemm.signal_layout(e_count, max_m, n, k, expected_m=em)
     sig_full = flashgemm.alloc_signals(layout_full, "cuda")
-    r = {"case": case["name"]}
-    r["gemm_us"] = 1e3 * time_graph(
-        lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em), reps=reps
-    )
+    layout = flashgemm.signal_layout(e_count, max_m, n, k, expected_m=em, num_sms=gemm_sms)
+    sig = flashgemm.alloc_signals(layout, "cuda")
 
-    def gemm_with_signals(sig, layout, sms):
+    def gemm_with_signals(sig, sms):
         sig.zero_()
         flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em, num_sms=sms, dst_signals=sig)
 
-    r["gemm_signals_us"] = 1e3 * time_graph(lambda: gemm_with_signals(sig_full, layout_full, None), reps=reps)
-    # the same memset alone, to separate it from the in-kernel cost
-    r["memset_us"] = 1e3 * time_graph(lambda: sig_full.zero_(), reps=reps)
-
-    layout = flashgemm.signal_layout(e_count, max_m, n, k, expected_m=em, num_sms=gemm_sms)
-    sig = flashgemm.alloc_signals(layout, "cuda")
-    r["gemm_split_us"] = 1e3 * time_graph(lambda: gemm_with_signals(sig, layout, gemm_sms), reps=reps)
-    # combine alone: counters already final (the last GEMM above completed them)
-    r["combine_split_us"] = 1e3 * time_graph(
-        lambda: combine_masked(out, masked_m, sig, layout, token_idx, weight, combined, num_sms=combine_sms),
-        reps=reps,
-    )
-
     def sequential():
-        gemm_with_signals(sig, layout, gemm_sms)
+        gemm_with_signals(sig, gemm_sms)
         combine_masked(out, masked_m, sig, layout, token_idx, weight, combined, num_sms=combine_sms)
 
-    r["sequential_us"] = 1e3 * time_graph(sequential, reps=reps)
-    # the two-stream fork/join is captured into the graph as well
-    r["overlapped_us"] = 1e3 * time_graph(
-        lambda: run_gemm_and_combine(a, b, masked_m, token_idx, weight, combined, gemm_sms=gemm_sms,
-                                     combine_sms=combine_sms, expected_m=em, out=out),
-        reps=reps,
-    )
+    timed = {
+        "gemm_us": lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em),
+        "gemm_signals_us": lambda: gemm_with_signals(sig_full, None),
+        # the same memset alone, to separate it from the in-kernel cost
+        "memset_us": lambda: sig_full.zero_(),
+        "gemm_split_us": lambda: gemm_with_signals(sig, gemm_sms),
+        # combine alone: its counters are final, since the GEMM just before it
+        # in every round (gemm_split) completed them
+        "combine_split_us": lambda: combine_masked(
+            out, masked_m, sig, layout, token_idx, weight, combined, num_sms=combine_sms
+        ),
+        "sequential_us": sequential,
+        # the two-stream fork/join is captured into the graph as well
+        "overlapped_us": lambda: run_gemm_and_combine(
+            a, b, masked_m, token_idx, weight, combined, gemm_sms=gemm_sms,
+            combine_sms=combine_sms, expected_m=em, out=out,
+        ),
+    }
+    ms = time_graphs_interleaved(list(timed.values()), rounds=rounds, reps=reps)
+    r = {"case": case["name"], "combine_sms": combine_sms}
+    r.update({name: 1e3 * t for name, t in zip(timed, ms)})
     r["signal_overhead_pct"] = 100 * (r["gemm_signals_us"] - r["memset_us"] - r["gemm_us"]) / r["gemm_us"]
     r["overlap_vs_longer"] = r["overlapped_us"] / max(r["gemm_split_us"], r["combine_split_us"])
     return r
@@ -83,24 +85,30 @@ def run_case(case, seed, combine_sms, reps):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="*")
-    p.add_argument("--combine-sms", type=int, default=20)
+    p.add_argument("--combine-sms", type=int, nargs="+", default=[20])
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_overlap.py needs a CUDA GPU")
     spec = json.load(open(CASES_FILE))
     cases = [c for c in spec["cases"] if c["regime"] == "decode" and (not args.cases or c["name"] in args.cases)]
-    # seed = the case's place in the file, as in bench.py (same masked_m draws)
-    rows = [run_case(c, spec["cases"].index(c), args.combine_sms, args.reps) for c in cases]
-    print(f"Device: {torch.cuda.get_device_name()}; combine on {args.combine_sms} SMs, GEMM on the rest")
-    print("| case | GEMM us | + signals us | memset us | signal cost | GEMM split us | combine split us "
-          "| sequential us | overlapped us | overlapped / longer alone |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['case']} | {r['gemm_us']:.1f} | {r['gemm_signals_us']:.1f} | {r['memset_us']:.1f} | "
-              f"{r['signal_overhead_pct']:+.1f}% | {r['gemm_split_us']:.1f} | {r['combine_split_us']:.1f} | "
-              f"{r['sequential_us']:.1f} | {r['overlapped_us']:.1f} | {r['overlap_vs_longer']:.2f}x |")
+    rows = []
+    for combine_sms in args.combine_sms:
+        # seed = the case's place in the file, as in bench.py (same masked_m draws)
+        part = [run_case(c, spec["cases"].index(c), combine_sms, args.reps, args.rounds) for c in cases]
+        rows += part
+        print(f"Device: {torch.cuda.get_device_name()}; combine on {combine_sms} SMs, GEMM on the rest; "
+              f"median of {args.rounds} interleaved rounds of {args.reps} graph replays")
+        print("| case | GEMM us | + signals us | memset us | signal cost | GEMM split us | combine split us "
+              "| sequential us | overlapped us | overlapped / longer alone |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in part:
+            print(f"| {r['case']} | {r['gemm_us']:.1f} | {r['gemm_signals_us']:.1f} | {r['memset_us']:.1f} | "
+                  f"{r['signal_overhead_pct']:+.1f}% | {r['gemm_split_us']:.1f} | {r['combine_split_us']:.1f} | "
+                  f"{r['sequential_us']:.1f} | {r['overlapped_us']:.1f} | {r['overlap_vs_longer']:.2f}x |",
+                  flush=True)
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)
 

@@ -167,3 +167,32 @@ def test_reused_signature_still_checks_pointers(seed):
     out_odd = torch.empty(out.numel() + 8, device="cuda", dtype=torch.bfloat16)[1 : 1 + out.numel()].view_as(out)
     with pytest.raises(ValueError, match="out base address must be 16-byte aligned"):
         flashgemm.grouped_gemm_nt_masked(a, b, out_odd, masked_m)
+
+
+def test_reused_signature_explains_what_the_compiled_checks_refuse(seed):
+    """The signature key leaves out what the compiled function checks itself
+    (b's and out's dtypes, out's and masked_m's shapes): a reused plan must
+    still raise the full checks' error, and launch nothing."""
+    a, b, masked_m = _random_case(4, 64, 256, 256, [64, 3, 0, 17])
+    buf, out = _poisoned_out(4, 64, 256)
+    flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m)  # makes the plan
+    _check(a, b, masked_m, out, buf)
+    buf, out = _poisoned_out(4, 64, 256)
+    wide = torch.full((4, 64, 264), POISON, device="cuda", dtype=torch.bfloat16)
+    bad_calls = {
+        "masked_m must have E=4 entries": (a, b, out, torch.zeros(5, dtype=torch.int32, device="cuda")),
+        "a and b must have the same dtype": (a, b.to(torch.float8_e4m3fn), out, masked_m),
+        "out must have dtype torch.bfloat16": (a, b, out.view(torch.float16), masked_m),
+        # same strides as a (4, 64, 256) view of `wide`, another N
+        r"out must have shape \(E, max_m, N\)": (a, b, wide[:, :, :248], masked_m),
+    }
+    flashgemm.grouped_gemm_nt_masked(a, b, wide[:, :, :256], masked_m)  # plan for wide's strides
+    wide.fill_(POISON)
+    for message, args in bad_calls.items():
+        with pytest.raises((TypeError, ValueError), match=message) as info:
+            flashgemm.grouped_gemm_nt_masked(*args)
+        assert info.value.__cause__ is not None, "expected the compiled function's refusal as the cause"
+    with pytest.raises(TypeError, match="masked_m must have dtype torch.int32"):  # keyed
+        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m.to(torch.int64))
+    torch.cuda.synchronize()
+    assert (buf == POISON).all() and (wide == POISON).all(), "a refused call wrote to out"

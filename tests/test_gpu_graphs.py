@@ -53,7 +53,8 @@ def test_graph_replay_with_new_masked_m_inputs_and_signals(seed):
         assert torch.equal(sig.cpu(), layout.final_values(masked_m.cpu(), max_m))
 
 
-def test_runs_on_the_current_non_default_stream(seed):
+def _stream_case():
+    """A small problem, compiled once, with a poisoned `out` and an idle GPU."""
     e_count, max_m, n, k = 4, 128, 256, 256
     a = torch.randn(e_count, max_m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(e_count, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -62,6 +63,11 @@ def test_runs_on_the_current_non_default_stream(seed):
     flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m)  # compile first
     out.fill_(POISON)
     torch.cuda.synchronize()
+    return a, b, masked_m, out
+
+
+def test_runs_on_the_current_non_default_stream(seed):
+    a, b, masked_m, out = _stream_case()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning ahead of us on this stream
@@ -108,3 +114,18 @@ print(json.dumps({"compiles": c.compile_count, "loads": diskcache.load_count, "e
     assert runs[0]["compiles"] == 1 and runs[0]["err"] < 1e-2
     assert runs[1]["compiles"] == 0 and runs[1]["loads"] == 1 and runs[1]["err"] < 1e-2
     print(runs)
+
+
+def test_runs_on_an_explicit_stream(seed):
+    a, b, masked_m, out = _stream_case()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning ahead of us on `side`
+    # called from the default stream, enqueued on `side` behind the sleep
+    flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, stream=side)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert not side.query()
+    torch.cuda.current_stream().synchronize()
+    assert (out == POISON).all()
+    side.synchronize()
+    _check_valid_rows(out, grouped_gemm_nt_masked_ref(a, b, masked_m), masked_m)

@@ -542,7 +542,7 @@ def _plan_for(a, b, out, mm):
     from flashgemm.launcher import _LaunchPlan, _pointer_rules
 
     return _LaunchPlan(
-        fn=None, num_ctas=1, layout=None, index=0, out_shape=None, out_dtype=None,
+        fn=None, num_ctas=1, layout=None, out_shape=None, out_dtype=None,
         copy_a_scale=False, unused_signals=None,
         **_pointer_rules((a, b, mm, out, None, None, None), False),
     )
@@ -550,7 +550,7 @@ def _plan_for(a, b, out, mm):
 
 def test_fast_path_pointer_checks_accept_distinct_aligned_tensors():
     a, b, out, mm = make()
-    assert _plan_for(a, b, out, mm).pointers_ok((a, b, mm, out, None, None, None))
+    assert _plan_for(a, b, out, mm).pointers_ok(a, b, mm, out, None, None, None)
 
 
 def test_fast_path_pointer_checks_catch_aliasing_and_misalignment():
@@ -560,16 +560,107 @@ def test_fast_path_pointer_checks_catch_aliasing_and_misalignment():
     buf = torch.empty(a.numel() + out.numel(), dtype=BF16)
     a2 = buf[: a.numel()].view_as(a)
     out2 = buf[a.numel() // 2 : a.numel() // 2 + out.numel()].view_as(out)
-    assert not plan.pointers_ok((a2, b, mm, out2, None, None, None))
+    assert not plan.pointers_ok(a2, b, mm, out2, None, None, None)
     with pytest.raises(ValueError, match="out must not overlap a"):
         validate_args(a2, b, out2, mm)
     # a misaligned by one element
     big = torch.empty(a.numel() + 8, dtype=BF16)
     a3 = big[1 : 1 + a.numel()].view_as(a)
-    assert not plan.pointers_ok((a3, b, mm, out, None, None, None))
+    assert not plan.pointers_ok(a3, b, mm, out, None, None, None)
     # masked_m inside out
     mm2 = out.view(-1)[:2 * E].view(torch.int32)
-    assert not plan.pointers_ok((a, b, mm2, out, None, None, None))
+    assert not plan.pointers_ok(a, b, mm2, out, None, None, None)
+
+
+class _CompiledStandIn:
+    """Stands in for the compiled TVM-FFI function on CPU tensors: it refuses
+    what the real one refuses among the arguments the signature key leaves
+    out (masked_m's and out's shapes, out's dtype), like it with a ValueError
+    before launching, and counts launches."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def __call__(self, a, b, out, masked_m, signals, a_scale, b_scale, num_ctas):
+        e, m, _ = a.shape
+        if tuple(masked_m.shape) != (e,) or tuple(out.shape) != (e, m, b.shape[1]) or out.dtype != a.dtype:
+            raise ValueError("Mismatched Tensor on argument")
+        self.launches += 1
+
+
+@pytest.fixture
+def cpu_launcher(monkeypatch):
+    """The launcher on CPU tensors with the device checks, the compile and the
+    launch stubbed; returns the stand-in for the compiled function."""
+    from flashgemm import compile as fg_compile
+    from flashgemm import launcher
+
+    fn = _CompiledStandIn()
+    monkeypatch.setattr(launcher, "validate_device", lambda *args, **kw: 132)
+    monkeypatch.setattr(fg_compile, "get_kernel", lambda *args, **kw: fn)
+    monkeypatch.setattr(launcher, "_unused_signals", lambda index: torch.zeros(1, dtype=torch.int32))
+    monkeypatch.setattr(launcher, "_PLANS", {})
+    return fn
+
+
+def test_reused_plan_explains_a_refusal_of_the_compiled_checks(cpu_launcher):
+    from flashgemm import launcher
+
+    a, b, out, mm = make()
+    launcher.grouped_gemm_nt_masked(a, b, out, mm)
+    launcher.grouped_gemm_nt_masked(a, b, out, mm)
+    assert cpu_launcher.launches == 2 and len(launcher._PLANS) == 1
+    bad = {
+        rf"^masked_m must have E={E} entries, got {E + 1}$": (a, b, out, torch.zeros(E + 1, dtype=torch.int32)),
+        "^out must have dtype torch.bfloat16, got torch.float16$": (a, b, out.view(torch.float16), mm),
+        # a view with out's strides but fewer columns: the same signature key
+        r"^out must have shape \(E, max_m, N\)": (
+            a, b, torch.empty(E, M, N, dtype=BF16)[:, :, : N - 8], mm,
+        ),
+    }
+    for message, args in bad.items():
+        with pytest.raises((TypeError, ValueError), match=message) as info:
+            launcher.grouped_gemm_nt_masked(*args)
+        assert isinstance(info.value.__cause__, ValueError)  # the compiled function's refusal
+    assert cpu_launcher.launches == 2 and len(launcher._PLANS) == 1
+
+
+def test_reused_plan_passes_on_a_refusal_the_full_checks_accept(cpu_launcher, monkeypatch):
+    from flashgemm import launcher
+
+    a, b, out, mm = make()
+    launcher.grouped_gemm_nt_masked(a, b, out, mm)
+
+    def launch_failure(*args):
+        raise RuntimeError("CUDA error: too many resources requested for launch")
+
+    plan = next(iter(launcher._PLANS.values()))
+    monkeypatch.setattr(plan, "fn", launch_failure)
+    with pytest.raises(RuntimeError, match="too many resources"):
+        launcher.grouped_gemm_nt_masked(a, b, out, mm)
+
+
+def test_signature_key_covers_the_int32_tensors_dtypes(cpu_launcher):
+    # the compiled function accepts uint32 for int32: masked_m's and
+    # dst_signals' dtypes must reach the full checks through the key
+    from flashgemm import launcher
+
+    a, b, out, mm = make()
+    launcher.grouped_gemm_nt_masked(a, b, out, mm)
+    with pytest.raises(TypeError, match="masked_m must have dtype torch.int32"):
+        launcher.grouped_gemm_nt_masked(a, b, out, mm.view(torch.uint32))
+    sig = torch.zeros(64, dtype=torch.int32)
+    launcher.grouped_gemm_nt_masked(a, b, out, mm, dst_signals=sig, signal_granularity="expert")
+    with pytest.raises(TypeError, match="dst_signals must have dtype torch.int32"):
+        launcher.grouped_gemm_nt_masked(a, b, out, mm, dst_signals=sig.view(torch.uint32),
+                                        signal_granularity="expert")
+    assert cpu_launcher.launches == 2
+
+
+def test_stream_argument_is_checked():
+    a, b, out, mm = make()
+    with pytest.raises(TypeError, match="stream must be a torch.cuda.Stream or None, got int"):
+        flashgemm.grouped_gemm_nt_masked(a, b, out, mm, stream=7)
 
 
 def test_check_no_alias_names_the_first_overlap():
