@@ -5,16 +5,13 @@ ints (the launch alone), with and without a 2-CTA cluster. Needs a GPU.
 
     python scripts/probe_launch_floor.py
 """
-import statistics
+import os
 import sys
-import time
 
 import torch
 
 if not torch.cuda.is_available():
     sys.exit("probe_launch_floor.py needs a CUDA GPU")
-
-import os  # noqa: E402
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
