@@ -24,12 +24,28 @@ Per tile, chosen uniformly for all its threads:
   vs 104.3 us, fp8 69.0 vs 61.8 us, same-day bench.py runs).
 
 Publishing a tile's signal (store warp, lane 0, right after the tile):
-``cp.async.bulk.wait_group 0`` (the bulk stores have *completed*, not just
-released shared memory), ``fence.proxy.async.global`` (async-proxy writes
-ordered before generic operations), ``fence.acq_rel.gpu`` (cumulative over
-the consumers' row-piece stores, ordered by the barrier), then
-``red.release.gpu.add``. Measured on H100 with the publish on a wgmma warp
-instead: +3 to +6% on the 45-85 us decode cases.
+
+* full tile: ``cp.async.bulk.wait_group 0`` (the bulk stores have
+  *completed*, not just released shared memory), ``fence.proxy.async.global``
+  (async-proxy writes ordered before generic operations), then
+  ``red.release.gpu.add``;
+* partial tile: the consumers' own row-piece stores are handed over through
+  the **signal pipeline** (``PipelineAsync``, ``SIGNAL_STAGES`` mbarrier
+  pairs): every consumer thread arrives on the stage's full barrier after its
+  stores (``mbarrier.arrive`` has release semantics at CTA scope) and goes on
+  to its next tile without waiting; the store warp waits on that barrier
+  (acquire at CTA scope), frees the stage, and runs ``red.release.gpu.add``,
+  whose GPU-scope release covers what it acquired (PTX causality order is
+  transitive). The empty barriers only keep the consumers from lapping the
+  store warp by more than ``SIGNAL_STAGES`` tiles, so the phase parity stays
+  unambiguous.
+
+Measured on H100 (2026-11-23, fresh processes alternating builds): the
+publish on a wgmma warp instead cost +3 to +6% on the 45-85 us decode cases;
+an extra ``fence.acq_rel.gpu`` before the release add cost qwen3-30b-ep8
+2.4-2.6% against 1.4-1.6% without it. The handoff replaced a named barrier
+every consumer waited on (PTX leaves a warp re-arriving at a ``bar.arrive``
+before the barrier completed undefined, so arrive-only was not an option).
 """
 
 from __future__ import annotations
@@ -40,6 +56,11 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
 from cutlass.tensor_utils.layout import LayoutEnum
+
+# stages of the partial-tile signal handoff (consumers -> store warp): with
+# two, the consumers would have to finish a whole tile before the store warp
+# published the previous one to ever wait
+SIGNAL_STAGES = 2
 
 
 class _NoLoopState:
@@ -108,15 +129,23 @@ class TileEpilogue(_NoLoopState):
         n_block: Int32,
         valid_rows: Int32,
         n_total: Int32,
-        signals: cutlass.Constexpr = False,
+        sig_pipeline,  # PipelineAsync of the partial-tile handoff, or None without signals
+        sig_state,  # its producer state (None without signals)
     ):
+        """Store one tile; returns the advanced signal-pipeline state."""
         if valid_rows == self.tile_mn[0]:
             self._stage_full(epi_tile_count(self.tile_mn))
         else:
             self._store_partial(expert, m_block, n_block, valid_rows, n_total)
-            if cutlass.const_expr(signals):
-                # the store warp publishes once every consumer's stores are issued
-                self.epi_barrier.arrive_and_wait()
+            if cutlass.const_expr(sig_pipeline is not None):
+                # hand this thread's stores to the store warp, which publishes
+                # them; no wait unless it is SIGNAL_STAGES tiles behind
+                next_state = sig_state.clone()
+                sig_pipeline.producer_acquire(next_state)
+                sig_pipeline.producer_commit(next_state)
+                next_state.advance()
+                sig_state = next_state
+        return sig_state
 
     @cute.jit
     def _stage(self, epi_idx: cutlass.Constexpr, buf: cutlass.Constexpr):
@@ -201,25 +230,32 @@ class TileStorer(_NoLoopState):
         valid_rows: Int32,
         signal_index: Int32,  # counter to publish, or -1
         mSignals: cute.Tensor,
-        signals: cutlass.Constexpr = False,
+        sig_pipeline,  # PipelineAsync of the partial-tile handoff, or None without signals
+        sig_state,  # its consumer state (None without signals)
     ):
+        """Store (full tile) or publish (partial tile) one tile; returns the
+        advanced signal-pipeline state."""
         if valid_rows == self.tile_mn[0]:
             self._store_full(expert, m_block, n_block)
-            if cutlass.const_expr(signals):
+            if cutlass.const_expr(sig_pipeline is not None):
                 if self.is_lane0:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.fence_proxy("async.global")
                     self._release_add(signal_index, mSignals)
         else:
-            if cutlass.const_expr(signals):
-                self.epi_barrier.arrive_and_wait()  # consumers' stores issued
+            if cutlass.const_expr(sig_pipeline is not None):
+                next_state = sig_state.clone()
+                sig_pipeline.consumer_wait(next_state)  # every consumer's stores issued
                 if self.is_lane0:
+                    sig_pipeline.consumer_release(next_state)
                     self._release_add(signal_index, mSignals)
+                next_state.advance()
+                sig_state = next_state
+        return sig_state
 
     @cute.jit
     def _release_add(self, signal_index: Int32, mSignals: cute.Tensor):
         if signal_index >= 0:
-            cute.arch.fence_acq_rel_gpu()
             cute.arch.red(
                 mSignals.iterator + signal_index,
                 Int32(1),

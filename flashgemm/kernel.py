@@ -13,7 +13,7 @@ from cutlass import Int32
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from .config import EPI_STAGES, GemmConfig
-from .epilogue import TileEpilogue, TileStorer
+from .epilogue import SIGNAL_STAGES, TileEpilogue, TileStorer
 from .mainloop import consume_tile, consume_tile_blockscaled, produce_tile
 from .scheduler import MaskedTileScheduler
 from . import trace as tr
@@ -70,7 +70,10 @@ class MaskedGroupedGemmSm90:
     Pipelines: ``PipelineTmaAsync`` (producer -> consumers, one full/empty
     mbarrier pair per stage) for operands; named barrier 1 (consumers + store
     warp, two crossings per staged sub-tile) for the 2-buffer output staging,
-    whose reuse the store warp guards with ``cp.async.bulk.wait_group.read``. The
+    whose reuse the store warp guards with ``cp.async.bulk.wait_group.read``;
+    with signals, ``PipelineAsync`` (consumers -> store warp, ``SIGNAL_STAGES``
+    mbarrier pairs) hands over each partial tile the consumers stored themselves,
+    so the store warp can publish it while they move on. The
     producer runs ahead into the next tile while the consumers are in the
     epilogue, so loads overlap stores.
     """
@@ -132,6 +135,7 @@ class MaskedGroupedGemmSm90:
 
         fields = {  # (annotations are strings in this module: build them explicitly)
             "ab_mbar": cute.struct.MemRange[cutlass.Int64, stages * 2],
+            "sig_mbar": cute.struct.MemRange[cutlass.Int64, SIGNAL_STAGES * 2],
             "sA": cute.struct.Align[cute.struct.MemRange[ab, a_size], 1024],
             "sB": cute.struct.Align[cute.struct.MemRange[ab, b_size], 1024],
             "sD": cute.struct.Align[cute.struct.MemRange[out, d_size], 1024],
@@ -278,6 +282,17 @@ class MaskedGroupedGemmSm90:
             cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
             defer_sync=True,
         )
+        # partial tiles with signals: every consumer thread hands its stores
+        # to the store warp, which publishes them (epilogue.py)
+        sig_pipeline = None
+        if cutlass.const_expr(self.signal_mode is not None):
+            sig_pipeline = pipeline.PipelineAsync.create(
+                barrier_storage=storage.sig_mbar.data_ptr(),
+                num_stages=SIGNAL_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                defer_sync=True,
+            )
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
@@ -324,12 +339,11 @@ class MaskedGroupedGemmSm90:
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
 
         # named barrier 1: the consumers and the store warp, around each
-        # staged sub-tile and each published partial tile
+        # staged sub-tile of a full tile
         epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads + 32)
         # named barrier 2: the consumers alone, around the staging of partial tiles
         consumer_barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_consumer_threads)
         tile_mn = (self.tile_mnk[0], self.tile_mnk[1])
-        signals = self.signal_mode is not None
         num_m_slots = (max_m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
         # Each role (producer, store warp, consumers) walks its own copy of
         # the scheduler below; all read the same masked_m. (A shared helper
@@ -383,15 +397,20 @@ class MaskedGroupedGemmSm90:
                     self.cluster_n, cta_rank,
                 )
                 work = sched.work()
+                sig_state = None
+                if cutlass.const_expr(sig_pipeline is not None):
+                    sig_state = pipeline.make_pipeline_state(
+                        pipeline.PipelineUserType.Consumer, SIGNAL_STAGES
+                    )
                 while work.is_valid:
                     index = work.expert
                     if cutlass.const_expr(self.signal_mode == "m_block"):
                         index = work.expert * num_m_slots + work.m_block
                     # a cluster's tile past N stores and signals nothing
                     index = cutlass.select_(work.n_block < num_n_blocks, index, Int32(-1))
-                    storer.store(
+                    sig_state = storer.store(
                         work.expert, work.m_block, work.n_block, work.valid_rows,
-                        index, mSignals, signals,
+                        index, mSignals, sig_pipeline, sig_state,
                     )
                     sched.advance()
                     work = sched.work()
@@ -428,6 +447,11 @@ class MaskedGroupedGemmSm90:
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             tile_count = Int32(0)  # (read by trace builds only)
+            sig_state = None
+            if cutlass.const_expr(sig_pipeline is not None):
+                sig_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, SIGNAL_STAGES
+                )
             while work.is_valid:
                 if cutlass.const_expr(self.block_scaled):
                     read_state = consume_tile_blockscaled(
@@ -443,8 +467,9 @@ class MaskedGroupedGemmSm90:
                 if cutlass.const_expr(self.trace):
                     if consumer_tidx == 0 and tile_count < tr.MAX_TILES:
                         mSignals[trace_base + tr.TILE0 + 2 * tile_count] = cute.arch.globaltimer_lo()
-                epi.store(
-                    work.expert, work.m_block, work.n_block, work.valid_rows, n_total, signals
+                sig_state = epi.store(
+                    work.expert, work.m_block, work.n_block, work.valid_rows, n_total,
+                    sig_pipeline, sig_state,
                 )
                 if cutlass.const_expr(self.trace):
                     if consumer_tidx == 0 and tile_count < tr.MAX_TILES:

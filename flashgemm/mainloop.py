@@ -23,7 +23,10 @@ in flight during the promotion (two product accumulators) was tried and was
 Rows past ``max_m`` and columns past K are zero-filled by the TMA unit, so a
 partial m/k tile needs no special case here; rows between ``m_e`` and the end
 of the tile are real (unused) rows of the same expert and never reach the
-output (see ``epilogue``).
+output (see ``epilogue``). Letting a consumer warpgroup whose 64 rows all lie
+past ``m_e`` skip its wgmma (only waiting for and releasing each slot) was
+tried and dropped: fp8 dsv3-ep32-gate_up went from 97.8-101.4 to 110.1-112.7
+us, the other decode cases moved by -1.3% to +1.2% (H100, 2026-11-23).
 """
 
 from __future__ import annotations

@@ -108,16 +108,31 @@ def time_graph(fn, reps=30, calls=10):
     return time_fn(capture_graph(fn, calls).replay, warmup=3, reps=reps) / calls
 
 
-def time_graphs_interleaved(fns, rounds=5, reps=30, calls=10):
-    """Median milliseconds per call of each fn, its graph timed once per round
-    and the rounds interleaved (A B C, A B C, ...): drift of the GPU's state
-    over a run lands on every fn alike instead of on whichever ran last."""
+def time_graph_rounds(fns, rounds=6, reps=30, calls=10):
+    """Milliseconds per call of each fn in every round: its graph timed once
+    per round, the rounds interleaved and every other one reversed (A B C,
+    C B A, ...), so drift of the GPU's state over a run, and the place after
+    a heavy or a light neighbour, land on every fn alike. Over one run on
+    H100 (2026-11-23) the same bf16 dsv3-ep32-down graph drifted from 99.5 to
+    109.6 us; ratios of fns timed in the same round move far less, so
+    compare fns round by round (``paired_median``)."""
     graphs = [capture_graph(fn, calls) for fn in fns]
     samples = [[] for _ in fns]
-    for _ in range(rounds):
-        for graph, times in zip(graphs, samples):
+    for r in range(rounds):
+        order = list(zip(graphs, samples))
+        for graph, times in order if r % 2 == 0 else reversed(order):
             times.append(time_fn(graph.replay, warmup=3, reps=reps) / calls)
-    return [statistics.median(times) for times in samples]
+    return samples
+
+
+def time_graphs_interleaved(fns, rounds=6, reps=30, calls=10):
+    """Median milliseconds per call of each fn over ``time_graph_rounds``."""
+    return [statistics.median(t) for t in time_graph_rounds(fns, rounds, reps, calls)]
+
+
+def paired_median(f, *samples):
+    """Median over rounds of ``f`` applied to the same round's samples."""
+    return statistics.median(f(*round_) for round_ in zip(*samples))
 
 
 def host_us(fn, reps=200):

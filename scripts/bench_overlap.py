@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
 """Cost of completion signals, and the gain from overlapping GEMM and combine.
 
-(a) the same GEMM with and without dst_signals (all SMs, CUDA-graph timing);
+(a) the same GEMM with and without dst_signals (all SMs, CUDA-graph timing;
+    the counters are zeroed once, not per call, so the cost is the kernel's
+    own; the memset a caller adds is timed alone);
 (b) GEMM on `gemm_sms` SMs and the reference combine on the rest: each alone,
     both sequential on one stream, and overlapped on two streams.
 Every time is per call from CUDA-graph replays (the overlapped fork/join is
 captured too), so host launch costs do not hide the GPU time. The graphs
-compared with each other are timed in interleaved rounds (median over
-rounds): timed one after the other, the signal cost of one case had moved
-between -0.5% and +4.8% across runs (H100, 2026-11-23).
+compared with each other are timed in interleaved rounds, every other one
+in reverse order; times are medians over rounds, and the signal cost and the
+overlap ratio are medians of the ratios within each round. Timed one after
+the other, the signal cost of one case had moved between -0.5% and +4.8%
+across runs (H100, 2026-11-23).
 
     python scripts/bench_overlap.py [--cases ...] [--combine-sms 20 [28 ...]]
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -25,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
-from bench import CASES_FILE, draw_masked_m, time_graphs_interleaved  # noqa: E402
+from bench import CASES_FILE, draw_masked_m, paired_median, time_graph_rounds  # noqa: E402
 from flashgemm.overlap import combine_masked, run_gemm_and_combine  # noqa: E402
 
 
@@ -58,8 +63,13 @@ def run_case(case, seed, combine_sms, reps, rounds):
 
     timed = {
         "gemm_us": lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em),
-        "gemm_signals_us": lambda: gemm_with_signals(sig_full, None),
-        # the same memset alone, to separate it from the in-kernel cost
+        # the in-kernel cost alone: the counters are not zeroed between calls
+        # (the kernel only adds to them), so no memset kernel and no gap
+        # between two graph nodes is counted as signal cost
+        "gemm_signals_us": lambda: flashgemm.grouped_gemm_nt_masked(
+            a, b, out, masked_m, expected_m=em, dst_signals=sig_full
+        ),
+        # the caller's zeroing of the counters, alone
         "memset_us": lambda: sig_full.zero_(),
         "gemm_split_us": lambda: gemm_with_signals(sig, gemm_sms),
         # combine alone: its counters are final, since the GEMM just before it
@@ -74,11 +84,18 @@ def run_case(case, seed, combine_sms, reps, rounds):
             combine_sms=combine_sms, expected_m=em, out=out,
         ),
     }
-    ms = time_graphs_interleaved(list(timed.values()), rounds=rounds, reps=reps)
+    samples = dict(zip(timed, time_graph_rounds(list(timed.values()), rounds=rounds, reps=reps)))
     r = {"case": case["name"], "combine_sms": combine_sms}
-    r.update({name: 1e3 * t for name, t in zip(timed, ms)})
-    r["signal_overhead_pct"] = 100 * (r["gemm_signals_us"] - r["memset_us"] - r["gemm_us"]) / r["gemm_us"]
-    r["overlap_vs_longer"] = r["overlapped_us"] / max(r["gemm_split_us"], r["combine_split_us"])
+    r.update({name: 1e3 * statistics.median(t) for name, t in samples.items()})
+    # the two ratios are taken round by round (graphs timed minutes apart
+    # drift by more than the effects measured), then their median
+    r["signal_overhead_pct"] = 100 * paired_median(
+        lambda plain, sig: sig / plain - 1, samples["gemm_us"], samples["gemm_signals_us"]
+    )
+    r["overlap_vs_longer"] = paired_median(
+        lambda o, g, c: o / max(g, c),
+        samples["overlapped_us"], samples["gemm_split_us"], samples["combine_split_us"],
+    )
     return r
 
 
@@ -87,7 +104,7 @@ def main():
     p.add_argument("--cases", nargs="*")
     p.add_argument("--combine-sms", type=int, nargs="+", default=[20])
     p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -100,7 +117,8 @@ def main():
         part = [run_case(c, spec["cases"].index(c), combine_sms, args.reps, args.rounds) for c in cases]
         rows += part
         print(f"Device: {torch.cuda.get_device_name()}; combine on {combine_sms} SMs, GEMM on the rest; "
-              f"median of {args.rounds} interleaved rounds of {args.reps} graph replays")
+              f"median of {args.rounds} interleaved rounds of {args.reps} graph replays; signal cost and "
+              "overlap ratio: median of the per-round ratios")
         print("| case | GEMM us | + signals us | memset us | signal cost | GEMM split us | combine split us "
               "| sequential us | overlapped us | overlapped / longer alone |")
         print("|---|---|---|---|---|---|---|---|---|---|")
