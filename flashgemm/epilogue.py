@@ -58,8 +58,8 @@ from cutlass import Int32
 from cutlass.tensor_utils.layout import LayoutEnum
 
 # stages of the partial-tile signal handoff (consumers -> store warp): with
-# two, the consumers would have to finish a whole tile before the store warp
-# published the previous one to ever wait
+# two, the consumers wait only if, when they finish tile t + 2, the store
+# warp has not yet taken tile t (it takes each one as soon as it is handed over)
 SIGNAL_STAGES = 2
 
 
