@@ -125,11 +125,6 @@ def time_graph_rounds(fns, rounds=6, reps=30, calls=10):
     return samples
 
 
-def time_graphs_interleaved(fns, rounds=6, reps=30, calls=10):
-    """Median milliseconds per call of each fn over ``time_graph_rounds``."""
-    return [statistics.median(t) for t in time_graph_rounds(fns, rounds, reps, calls)]
-
-
 def paired_median(f, *samples):
     """Median over rounds of ``f`` applied to the same round's samples."""
     return statistics.median(f(*round_) for round_ in zip(*samples))

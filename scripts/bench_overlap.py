@@ -53,12 +53,12 @@ def run_case(case, seed, combine_sms, reps, rounds):
     layout = flashgemm.signal_layout(e_count, max_m, n, k, expected_m=em, num_sms=gemm_sms)
     sig = flashgemm.alloc_signals(layout, "cuda")
 
-    def gemm_with_signals(sig, sms):
+    def gemm_split():
         sig.zero_()
-        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em, num_sms=sms, dst_signals=sig)
+        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em, num_sms=gemm_sms, dst_signals=sig)
 
     def sequential():
-        gemm_with_signals(sig, gemm_sms)
+        gemm_split()
         combine_masked(out, masked_m, sig, layout, token_idx, weight, combined, num_sms=combine_sms)
 
     timed = {
@@ -71,7 +71,7 @@ def run_case(case, seed, combine_sms, reps, rounds):
         ),
         # the caller's zeroing of the counters, alone
         "memset_us": lambda: sig_full.zero_(),
-        "gemm_split_us": lambda: gemm_with_signals(sig, gemm_sms),
+        "gemm_split_us": gemm_split,
         # combine alone: its counters are final, since the GEMM just before it
         # in every round (gemm_split) completed them
         "combine_split_us": lambda: combine_masked(
