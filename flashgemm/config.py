@@ -33,6 +33,14 @@ class GemmConfig:
     consumer_warpgroups: wgmma warpgroups (1-3); each owns 64 rows of the tile.
     l2_hints: TMA loads of the weights (read once) evict-first, of the
         activations (re-read by every n-block) evict-last.
+    pdl: programmatic dependent launch. The kernel may start while the
+        kernel before it on the stream finishes (its CTAs set up shared
+        memory, then wait in ``griddepcontrol.wait`` before touching global
+        memory), and once every CTA has issued its last loads it lets a
+        PDL-launched kernel after it do the same. On by default: graphs of
+        back-to-back calls ran 1-2.6% faster on the decode cases (qwen3-30b
+        fp8 23.7 -> 23.1 us, bf16 42.9 -> 41.7; H100, 2026-11-23, paired
+        rounds), and prefill moved by less than its noise.
     """
 
     tile_m: int = 128
@@ -47,6 +55,7 @@ class GemmConfig:
     # m-block's CTA re-reads an evicted weight tile (H100, 2026-11-22 sweep:
     # tile_m=64 on dsv3-ep32 gate_up 288 vs 253 us); see choose_config.
     l2_hints: bool = False
+    pdl: bool = True
 
     # ---- derived facts -------------------------------------------------
     @property
@@ -155,6 +164,7 @@ class GemmConfig:
             f"m{self.tile_m}n{self.tile_n}k{self.tile_k}"
             f"s{self.resolved_stages(max(1, 128 // self.tile_k))}wg{self.consumer_warpgroups}"
             f"c{self.cluster_m}x{self.cluster_n}" + ("-l2hint" if self.l2_hints else "")
+            + ("" if self.pdl else "-nopdl")
         )
 
 

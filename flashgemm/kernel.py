@@ -76,6 +76,11 @@ class MaskedGroupedGemmSm90:
     so the store warp can publish it while they move on. The
     producer runs ahead into the next tile while the consumers are in the
     epilogue, so loads overlap stores.
+
+    With ``config.pdl`` the grid is launched with programmatic dependent
+    launch: every thread waits in ``griddepcontrol.wait`` after the barrier
+    set-up and before its first global access, and the producer warp issues
+    ``griddepcontrol.launch_dependents`` once its loads are all issued.
     """
 
     def __init__(self, config: GemmConfig, ab_dtype, out_dtype, signal_mode=None, trace=False):
@@ -220,6 +225,7 @@ class MaskedGroupedGemmSm90:
             cluster=[self.cluster_n, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=self.config.pdl,
         )
 
     @cute.kernel
@@ -249,9 +255,9 @@ class MaskedGroupedGemmSm90:
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         trace_base = bidx * tr.SLOTS
+        entry_time = Int32(0)
         if cutlass.const_expr(self.trace):
-            if tidx == 0:
-                mSignals[trace_base + tr.ENTRY] = cute.arch.globaltimer_lo()
+            entry_time = cute.arch.globaltimer_lo()
 
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
@@ -337,6 +343,17 @@ class MaskedGroupedGemmSm90:
         # barrier init visible to every thread of the cluster before anyone
         # waits on them or multicasts into a peer
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
+        if cutlass.const_expr(self.config.pdl):
+            # Launched with programmatic dependent launch, this CTA may be
+            # running before the previous kernel on the stream has finished:
+            # everything above touched only shared memory and the kernel
+            # parameters. Every thread waits here until that kernel has
+            # completed and its writes are visible, before any global access
+            # (masked_m, operands, out, signals).
+            cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(self.trace):
+            if tidx == 0:
+                mSignals[trace_base + tr.ENTRY] = entry_time
 
         # named barrier 1: the consumers and the store warp, around each
         # staged sub-tile of a full tile
@@ -381,6 +398,13 @@ class MaskedGroupedGemmSm90:
                     )
                     sched.advance()
                     work = sched.work()
+                if cutlass.const_expr(self.config.pdl):
+                    # This CTA issued its last loads: once every CTA has, a
+                    # PDL-launched kernel after this one may start its setup on
+                    # the SMs this grid frees (its griddepcontrol.wait still
+                    # waits for this grid to complete). Not earlier: its idle
+                    # CTAs would sit on SMs left free for a concurrent combine.
+                    cute.arch.griddepcontrol_launch_dependents()
                 # keep the CTA alive until the consumers released every slot
                 ab_pipeline.producer_tail(producer_state)
                 if cutlass.const_expr(self.trace):

@@ -14,7 +14,7 @@ overlap ratio are medians of the ratios within each round. Timed one after
 the other, the signal cost of one case had moved between -0.5% and +4.8%
 across runs (H100, 2026-11-23).
 
-    python scripts/bench_overlap.py [--cases ...] [--combine-sms 20 [28 ...]]
+    python scripts/bench_overlap.py [--cases ...] [--combine-sms 20 [28 ...]] [--top-k 8]
 """
 
 from __future__ import annotations
@@ -34,14 +34,19 @@ from bench import CASES_FILE, draw_masked_m, paired_median, time_graph_rounds  #
 from flashgemm.overlap import combine_masked, run_gemm_and_combine  # noqa: E402
 
 
-def run_case(case, seed, combine_sms, reps, rounds):
+def run_case(case, seed, combine_sms, reps, rounds, top_k, rows_per_item=None):
     e_count, max_m, n, k, em = case["E"], case["max_m"], case["N"], case["K"], case["expected_m"]
     torch.manual_seed(seed)
     a = torch.randn(e_count, max_m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(e_count, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     masked_m = draw_masked_m(case, seed).cuda()
     out = torch.empty(e_count, max_m, n, device="cuda", dtype=torch.bfloat16)
-    num_tokens = 128 * 8  # a rank's tokens; top-k routing spreads rows over them
+    # The combine stands for a rank's receive side: each token sums the rows
+    # of its top_k experts. The cases hold E * expected_m = 1024 rows, so
+    # top_k=8 gives 128 tokens (a DeepEP low-latency rank's decode batch) and
+    # a 3.7 MB fp32 buffer on N=7168; top_k=1 gives one row per token, a
+    # 29 MB buffer whose write-back competes with the GEMM for DRAM.
+    num_tokens = max(1, round(e_count * em / top_k))
     token_idx = torch.randint(0, num_tokens, (e_count, max_m), dtype=torch.int32, device="cuda")
     weight = torch.rand(e_count, max_m, device="cuda")
     combined = torch.zeros(num_tokens, n, device="cuda")
@@ -59,7 +64,8 @@ def run_case(case, seed, combine_sms, reps, rounds):
 
     def sequential():
         gemm_split()
-        combine_masked(out, masked_m, sig, layout, token_idx, weight, combined, num_sms=combine_sms)
+        combine_masked(out, masked_m, sig, layout, token_idx, weight, combined, num_sms=combine_sms,
+                       rows_per_item=rows_per_item)
 
     timed = {
         "gemm_us": lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em),
@@ -75,17 +81,18 @@ def run_case(case, seed, combine_sms, reps, rounds):
         # combine alone: its counters are final, since the GEMM just before it
         # in every round (gemm_split) completed them
         "combine_split_us": lambda: combine_masked(
-            out, masked_m, sig, layout, token_idx, weight, combined, num_sms=combine_sms
+            out, masked_m, sig, layout, token_idx, weight, combined, num_sms=combine_sms,
+            rows_per_item=rows_per_item,
         ),
         "sequential_us": sequential,
         # the two-stream fork/join is captured into the graph as well
         "overlapped_us": lambda: run_gemm_and_combine(
             a, b, masked_m, token_idx, weight, combined, gemm_sms=gemm_sms,
-            combine_sms=combine_sms, expected_m=em, out=out,
+            combine_sms=combine_sms, expected_m=em, out=out, rows_per_item=rows_per_item,
         ),
     }
     samples = dict(zip(timed, time_graph_rounds(list(timed.values()), rounds=rounds, reps=reps)))
-    r = {"case": case["name"], "combine_sms": combine_sms}
+    r = {"case": case["name"], "combine_sms": combine_sms, "top_k": top_k, "tokens": num_tokens}
     r.update({name: 1e3 * statistics.median(t) for name, t in samples.items()})
     # the two ratios are taken round by round (graphs timed minutes apart
     # drift by more than the effects measured), then their median
@@ -105,6 +112,8 @@ def main():
     p.add_argument("--combine-sms", type=int, nargs="+", default=[20])
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--top-k", type=int, default=8, help="rows summed per token by the combine")
+    p.add_argument("--rows-per-item", type=int, help="combine work item size (default: the package's)")
     p.add_argument("--json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -114,9 +123,13 @@ def main():
     rows = []
     for combine_sms in args.combine_sms:
         # seed = the case's place in the file, as in bench.py (same masked_m draws)
-        part = [run_case(c, spec["cases"].index(c), combine_sms, args.reps, args.rounds) for c in cases]
+        part = [
+            run_case(c, spec["cases"].index(c), combine_sms, args.reps, args.rounds, args.top_k, args.rows_per_item)
+            for c in cases
+        ]
         rows += part
         print(f"Device: {torch.cuda.get_device_name()}; combine on {combine_sms} SMs, GEMM on the rest; "
+              f"combine sums top-{args.top_k} rows per token ({part[0]['tokens']} tokens); "
               f"median of {args.rounds} interleaved rounds of {args.reps} graph replays; signal cost and "
               "overlap ratio: median of the per-round ratios")
         print("| case | GEMM us | + signals us | memset us | signal cost | GEMM split us | combine split us "
@@ -125,7 +138,7 @@ def main():
         for r in part:
             print(f"| {r['case']} | {r['gemm_us']:.1f} | {r['gemm_signals_us']:.1f} | {r['memset_us']:.1f} | "
                   f"{r['signal_overhead_pct']:+.1f}% | {r['gemm_split_us']:.1f} | {r['combine_split_us']:.1f} | "
-                  f"{r['sequential_us']:.1f} | {r['overlapped_us']:.1f} | {r['overlap_vs_longer']:.2f}x |",
+                  f"{r['sequential_us']:.1f} | {r['overlapped_us']:.1f} | {r['overlap_vs_longer']:.3f}x |",
                   flush=True)
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)

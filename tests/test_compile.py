@@ -1,5 +1,6 @@
 """Compile-only tests: the real sm_90a build, no GPU needed (runs in CI)."""
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -107,3 +108,35 @@ def test_cli_compile_lists_every_config():
     for cfg in FP8_HEURISTIC_CONFIGS:
         line = next(l for l in res.stdout.splitlines() if cfg.short_name() in l and "fp8e4m3" in l)
         assert "fp8-wgmma" in line and "tma-load" in line
+
+
+# Global-memory instructions of the GEMM kernel (loads, stores, TMA, the
+# signals' release adds) that must come after griddepcontrol.wait.
+_GLOBAL_ACCESS = r"\b(ld\.global|st\.global|cp\.async\.bulk\.tensor|red\.release|atom\.)"
+
+
+@pytest.mark.parametrize(
+    "cfg, dtype, mode",
+    [
+        (HEURISTIC_CONFIGS[0], "bf16", None),
+        (HEURISTIC_CONFIGS[3], "bf16", "m_block"),
+        (FP8_HEURISTIC_CONFIGS[1], "fp8e4m3", "expert"),
+    ],
+    ids=["bf16", "bf16-signals", "fp8-signals"],
+)
+def test_pdl_waits_before_any_global_access(cfg, dtype, mode):
+    """With programmatic dependent launch (the default) the kernel may start
+    while its predecessor still runs: its one griddepcontrol.wait must come
+    before the first global access in the code, and it lets dependents launch
+    once (after its loads). Without PDL neither instruction is emitted."""
+    ptx = fg_compile.build(cfg, dtype, arch="sm_90a", keep_ptx=True, signal_mode=mode).__ptx__
+    assert cfg.pdl
+    assert ptx.count("griddepcontrol.wait") == 1
+    assert ptx.count("griddepcontrol.launch_dependents") == 1
+    first_access = re.search(_GLOBAL_ACCESS, ptx)
+    assert first_access and ptx.index("griddepcontrol.wait") < first_access.start()
+    plain = fg_compile.build(
+        dataclasses.replace(cfg, pdl=False), dtype, arch="sm_90a", keep_ptx=True, signal_mode=mode
+    ).__ptx__
+    assert "griddepcontrol" not in plain
+    assert re.search(_GLOBAL_ACCESS, plain)

@@ -129,3 +129,47 @@ def test_runs_on_an_explicit_stream(seed):
     assert (out == POISON).all()
     side.synchronize()
     _check_valid_rows(out, grouped_gemm_nt_masked_ref(a, b, masked_m), masked_m)
+
+
+def test_dependent_gemms_back_to_back_read_finished_inputs(seed):
+    """Programmatic dependent launch: the second GEMM reads the first one's
+    output as its A and may start before the first one has finished, so it
+    must wait for it before reading; a third kernel (torch) zeroes A of the
+    first in between. Eager and graph-replayed, with long K so the first
+    GEMM's last tiles are still computing when the second one can start."""
+    e_count, max_m, n1, k1, n2 = 8, 256, 1024, 4096, 512
+    a = torch.randn(e_count, max_m, k1, device="cuda", dtype=torch.bfloat16)
+    b1 = torch.randn(e_count, n1, k1, device="cuda", dtype=torch.bfloat16) / k1**0.5
+    b2 = torch.randn(e_count, n2, n1, device="cuda", dtype=torch.bfloat16) / n1**0.5
+    masked_m = torch.randint(1, max_m + 1, (e_count,), dtype=torch.int32, device="cuda")
+    mid = torch.empty(e_count, max_m, n1, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(e_count, max_m, n2, device="cuda", dtype=torch.bfloat16)
+
+    def chain():
+        mid.fill_(float("nan"))  # a read of mid before the first GEMM wrote it shows
+        flashgemm.grouped_gemm_nt_masked(a, b1, mid, masked_m, expected_m=128)
+        flashgemm.grouped_gemm_nt_masked(mid, b2, out, masked_m, expected_m=128)
+
+    def check():
+        torch.cuda.synchronize()
+        rows = masked_m.tolist()
+        ref_mid = grouped_gemm_nt_masked_ref(a, b1, masked_m)
+        ref_out = grouped_gemm_nt_masked_ref(mid, b2, masked_m)  # from the mid it got
+        for e, m in enumerate(rows):
+            assert relative_error(mid[e, :m].float(), ref_mid[e, :m]) < 1e-2, f"expert {e}: mid"
+            assert not out[e, :m].isnan().any(), f"expert {e}: read mid before it was written"
+            assert relative_error(out[e, :m].float(), ref_out[e, :m]) < 1e-2, f"expert {e}: out"
+
+    for _ in range(3):
+        out.fill_(POISON)
+        chain()
+        check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(3):
+        a.copy_(torch.randn_like(a))
+        masked_m.copy_(torch.randint(1, max_m + 1, (e_count,), dtype=torch.int32))
+        out.fill_(POISON)
+        graph.replay()
+        check()
