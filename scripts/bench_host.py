@@ -5,9 +5,9 @@
 
 Every row is timed in ``--rounds`` interleaved rounds (2000 calls each, the
 median call per round); the table gives the median round and the range.
-``--cpu N`` pins the process to core N first, as a serving process pinned to
-its cores would run: on the shared device host, unpinned runs of the same
-code moved from 8.5 to 13.5 us per call (H100, 2026-11-23).
+``--cpu N`` pins the process to core N first. On the shared device host that
+did not steady the whole call: 7.4 and 12.4 us pinned, 10.4 and 8.2 unpinned,
+on two machines (H100, 2026-11-23); torch's own call moved with it.
 """
 
 from __future__ import annotations

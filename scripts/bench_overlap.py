@@ -124,7 +124,8 @@ def main():
     for combine_sms in args.combine_sms:
         # seed = the case's place in the file, as in bench.py (same masked_m draws)
         part = [
-            run_case(c, spec["cases"].index(c), combine_sms, args.reps, args.rounds, args.top_k, args.rows_per_item)
+            run_case(c, spec["cases"].index(c), combine_sms, args.reps, args.rounds, args.top_k,
+                     args.rows_per_item)
             for c in cases
         ]
         rows += part

@@ -134,9 +134,10 @@ def test_runs_on_an_explicit_stream(seed):
 def test_dependent_gemms_back_to_back_read_finished_inputs(seed):
     """Programmatic dependent launch: the second GEMM reads the first one's
     output as its A and may start before the first one has finished, so it
-    must wait for it before reading; a third kernel (torch) zeroes A of the
-    first in between. Eager and graph-replayed, with long K so the first
-    GEMM's last tiles are still computing when the second one can start."""
+    must wait for it before reading; the first one may start before the torch
+    fill that poisons that output just ahead of it, so it must wait before
+    writing. Eager and graph-replayed, with long K so the first GEMM's last
+    tiles are still computing when the second one can start."""
     e_count, max_m, n1, k1, n2 = 8, 256, 1024, 4096, 512
     a = torch.randn(e_count, max_m, k1, device="cuda", dtype=torch.bfloat16)
     b1 = torch.randn(e_count, n1, k1, device="cuda", dtype=torch.bfloat16) / k1**0.5
