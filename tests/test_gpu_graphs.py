@@ -66,19 +66,23 @@ def _stream_case():
     return a, b, masked_m, out
 
 
+def _check_ran_behind_the_sleep(side, a, b, masked_m, out):
+    """The call was ordered behind the sleep on `side`: nothing written while
+    `side` is busy and the default stream is done, the right rows after."""
+    assert not side.query()
+    torch.cuda.current_stream().synchronize()
+    assert (out == POISON).all()
+    side.synchronize()
+    _check_valid_rows(out, grouped_gemm_nt_masked_ref(a, b, masked_m), masked_m)
+
+
 def test_runs_on_the_current_non_default_stream(seed):
     a, b, masked_m, out = _stream_case()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning ahead of us on this stream
         flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m)
-    # ordered behind the sleep on `side`: nothing written yet, and the default
-    # stream did not run it
-    assert not side.query()
-    torch.cuda.current_stream().synchronize()
-    assert (out == POISON).all()
-    side.synchronize()
-    _check_valid_rows(out, grouped_gemm_nt_masked_ref(a, b, masked_m), masked_m)
+    _check_ran_behind_the_sleep(side, a, b, masked_m, out)
 
 
 def test_fresh_process_launches_from_the_disk_cache(tmp_path):
@@ -124,11 +128,7 @@ def test_runs_on_an_explicit_stream(seed):
     # called from the default stream, enqueued on `side` behind the sleep
     flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, stream=side)
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
-    assert not side.query()
-    torch.cuda.current_stream().synchronize()
-    assert (out == POISON).all()
-    side.synchronize()
-    _check_valid_rows(out, grouped_gemm_nt_masked_ref(a, b, masked_m), masked_m)
+    _check_ran_behind_the_sleep(side, a, b, masked_m, out)
 
 
 def test_dependent_gemms_back_to_back_read_finished_inputs(seed):
