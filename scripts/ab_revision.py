@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""The working tree's GEMM against another revision's, in one process.
+
+Kernel changes of a few percent hide in the drift between processes and
+machines (the same graph moved 99.5 -> 109.6 us over one run), so both
+packages are loaded side by side and timed in interleaved rounds; the table
+gives each median and the median of the per-round ratios. The outputs of the
+two are compared bit for bit on the valid rows first.
+
+The other revision is a copy of its ``flashgemm`` package renamed
+``flashgemm_base`` (the package uses relative imports only); make it where
+git is, since the GPU machine gets no repository:
+
+    mkdir -p scratch/base && git archive HEAD flashgemm | tar -x -C scratch/base \\
+        && mv scratch/base/flashgemm scratch/base/flashgemm_base
+    python scripts/ab_revision.py --base scratch/base [--dtype bf16 fp8] [--dist uniform skewed]
+
+Each package compiles into the same cache directory under its own keys (the
+source digest is part of the key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+import flashgemm  # noqa: E402
+from bench import CASES_FILE, DISTRIBUTIONS, draw_masked_m, paired_median, time_graph_rounds  # noqa: E402
+from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token  # noqa: E402
+
+
+def compare_case(base, case, seed, fp8, dist, rounds, reps):
+    e, max_m, n, k, em = case["E"], case["max_m"], case["N"], case["K"], case["expected_m"]
+    masked_m = draw_masked_m(case, seed, dist).cuda()
+    a = torch.randn(e, max_m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    scales = {}
+    if fp8:
+        a, sa = quantize_fp8_per_token(a)
+        b, sb = quantize_fp8_per_block(b)
+        scales = dict(a_scale=sa, b_scale=sb)
+    outs = [torch.full((e, max_m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    fns = [
+        lambda: flashgemm.grouped_gemm_nt_masked(a, b, outs[0], masked_m, expected_m=em, **scales),
+        lambda: base.grouped_gemm_nt_masked(a, b, outs[1], masked_m, expected_m=em, **scales),
+    ]
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    for i, m in enumerate(masked_m.tolist()):
+        if not torch.equal(outs[0][i, :m], outs[1][i, :m]):
+            raise SystemExit(f"{case['name']}: expert {i} differs between the two packages")
+    ours, theirs = time_graph_rounds(fns, rounds=rounds, reps=reps)
+    return (1e3 * statistics.median(ours), 1e3 * statistics.median(theirs),
+            paired_median(lambda x, y: x / y, ours, theirs))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", required=True, help="directory holding the flashgemm_base package")
+    p.add_argument("--cases", nargs="*", help="case names (default: the decode cases)")
+    p.add_argument("--dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
+    p.add_argument("--dist", nargs="+", choices=DISTRIBUTIONS, default=["uniform"])
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("ab_revision.py needs a CUDA GPU")
+    sys.path.insert(0, os.path.abspath(args.base))
+    import flashgemm_base
+
+    spec = json.load(open(CASES_FILE))
+    cases = [c for c in spec["cases"] if (c["name"] in args.cases if args.cases else c["regime"] == "decode")]
+    print(f"Device: {torch.cuda.get_device_name()}; heuristic config of each package; median of "
+          f"{args.rounds} interleaved rounds of {args.reps} graph replays; ratio: median per-round ratio")
+    print("| dtype | masked_m | case | working tree us | base us | tree / base |")
+    print("|---|---|---|---|---|---|")
+    for dtype in args.dtype:
+        for dist in args.dist:
+            for case in cases:
+                # seed = the case's place in the file, as in bench.py
+                ours, theirs, ratio = compare_case(
+                    flashgemm_base, case, spec["cases"].index(case), dtype == "fp8", dist, args.rounds, args.reps
+                )
+                print(f"| {dtype} | {dist} | {case['name']} | {ours:.1f} | {theirs:.1f} | {ratio:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
