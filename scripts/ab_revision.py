@@ -32,24 +32,23 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
-from bench import CASES_FILE, DISTRIBUTIONS, draw_masked_m, paired_median, time_graph_rounds  # noqa: E402
-from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token  # noqa: E402
+from bench import (  # noqa: E402
+    CASES_FILE, DISTRIBUTIONS, case_operands, draw_masked_m, paired_median, time_graph_rounds,
+)
 
 
 def compare_case(base, case, seed, fp8, dist, rounds, reps):
-    e, max_m, n, k, em = case["E"], case["max_m"], case["N"], case["K"], case["expected_m"]
+    e, max_m, n, em = case["E"], case["max_m"], case["N"], case["expected_m"]
     masked_m = draw_masked_m(case, seed, dist).cuda()
-    a = torch.randn(e, max_m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-    scales = {}
-    if fp8:
-        a, sa = quantize_fp8_per_token(a)
-        b, sb = quantize_fp8_per_block(b)
-        scales = dict(a_scale=sa, b_scale=sb)
+    a, b, a_scale, b_scale = case_operands(case, seed, fp8)
     outs = [torch.full((e, max_m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     fns = [
-        lambda: flashgemm.grouped_gemm_nt_masked(a, b, outs[0], masked_m, expected_m=em, **scales),
-        lambda: base.grouped_gemm_nt_masked(a, b, outs[1], masked_m, expected_m=em, **scales),
+        lambda: flashgemm.grouped_gemm_nt_masked(
+            a, b, outs[0], masked_m, expected_m=em, a_scale=a_scale, b_scale=b_scale
+        ),
+        lambda: base.grouped_gemm_nt_masked(
+            a, b, outs[1], masked_m, expected_m=em, a_scale=a_scale, b_scale=b_scale
+        ),
     ]
     for f in fns:
         f()

@@ -69,6 +69,24 @@ def draw_masked_m(case, seed, dist="uniform"):
     return m.to(torch.int32)
 
 
+def case_operands(case, seed, fp8=False, dev="cuda"):
+    """Fresh random a [E, max_m, K] and b [E, N, K] / sqrt(K) for a case, from
+    torch's generator seeded with ``seed``; with ``fp8``, quantized with the
+    package's 1x128 / 128x128 helpers. Returns (a, b, a_scale, b_scale), the
+    scales None for bf16."""
+    e_count, max_m, n, k = case["E"], case["max_m"], case["N"], case["K"]
+    torch.manual_seed(seed)
+    a = torch.randn(e_count, max_m, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(e_count, n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+    if not fp8:
+        return a, b, None, None
+    from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token
+
+    a, a_scale = quantize_fp8_per_token(a)
+    b, b_scale = quantize_fp8_per_block(b)
+    return a, b, a_scale, b_scale
+
+
 def time_fn(fn, warmup=5, reps=30):
     """Median milliseconds of `reps` CUDA-event timings of back-to-back launches.
 
@@ -274,7 +292,6 @@ def _limits_line(limits):
 
 def run_fp8_case(case, seed, reps, sweep=False, dist="uniform"):
     """Block-scaled fp8 (1x128 / 128x128) against torch's rowwise-scaled fp8 grouped GEMM."""
-    from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token
     from flashgemm.reference import similarity
 
     e_count, max_m, n, k = case["E"], case["max_m"], case["N"], case["K"]
@@ -282,9 +299,7 @@ def run_fp8_case(case, seed, reps, sweep=False, dist="uniform"):
     rows = masked_cpu.tolist()
     total_rows = sum(rows)
     dev = "cuda"
-    torch.manual_seed(seed)
-    a, a_scale = quantize_fp8_per_token(torch.randn(e_count, max_m, k, device=dev, dtype=torch.bfloat16))
-    b, b_scale = quantize_fp8_per_block(torch.randn(e_count, n, k, device=dev, dtype=torch.bfloat16) / k**0.5)
+    a, b, a_scale, b_scale = case_operands(case, seed, fp8=True, dev=dev)
     masked_m = masked_cpu.to(dev)
     out = torch.empty(e_count, max_m, n, device=dev, dtype=torch.bfloat16)
     nkb, nnb = -(-k // 128), -(-n // 128)
@@ -369,9 +384,7 @@ def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
     rows = masked_cpu.tolist()
     total_rows = sum(rows)
     dev = "cuda"
-    torch.manual_seed(seed)
-    a = torch.randn(e_count, max_m, k, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(e_count, n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+    a, b, _, _ = case_operands(case, seed, dev=dev)
     masked_m = masked_cpu.to(dev)
     out = torch.empty(e_count, max_m, n, device=dev, dtype=torch.bfloat16)
 
