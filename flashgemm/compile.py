@@ -151,8 +151,10 @@ def build(
     trace: bool = False,
 ):
     """Compile one kernel (no caching). Returns the TVM-FFI callable
-    ``fn(a, b, out, masked_m, signals, a_scale, b_scale, num_ctas)`` (the
-    scales are None for 16-bit operands); with ``keep_ptx`` its
+    ``fn(a, b, out, masked_m, signals, a_scale, b_scale, counter, num_ctas)``
+    (the scales are None for 16-bit operands; ``counter``, an int32 (2,)
+    workspace that is zero between launches, only for ``config.dynamic``,
+    else None); with ``keep_ptx`` its
     ``__ptx__`` holds the generated PTX. ``signal_mode``: None, "m_block" or
     "expert". ``trace``: a development build whose ``signals`` argument is a
     ``flashgemm.trace`` timeline buffer (never cached)."""
@@ -167,6 +169,11 @@ def build(
     config.validate(ab_t.width // 8, out_t.width // 8)
     gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, signal_mode, trace=trace)
     a, b, d, masked_m, signals, sfa, sfb = _fake_args(ab_t, out_t)
+    counter = None
+    if config.dynamic:
+        from .dynamic_scheduler import WORKSPACE_INTS
+
+        counter = cute.runtime.make_fake_tensor(cutlass.Int32, (WORKSPACE_INTS,), (1,), assumed_align=4)
     with _compile_options(keep_ptx) as options:
         fn = cute.compile(
             gemm,
@@ -177,6 +184,7 @@ def build(
             signals,
             sfa,
             sfb,
+            counter,
             cutlass.Int32(1),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options=options,

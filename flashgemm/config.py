@@ -41,6 +41,10 @@ class GemmConfig:
         back-to-back calls ran 1-2.6% faster on the decode cases (qwen3-30b
         fp8 23.7 -> 23.1 us, bf16 42.9 -> 41.7; H100, 2026-11-23, paired
         rounds), and prefill moved by less than its noise.
+    dynamic: after its first unit, each cluster claims the next one from a
+        per-stream global counter instead of taking every G-th unit
+        (``dynamic_scheduler``): SMs that start late or run slow tiles take
+        fewer units.
     """
 
     tile_m: int = 128
@@ -56,6 +60,7 @@ class GemmConfig:
     # tile_m=64 on dsv3-ep32 gate_up 288 vs 253 us); see choose_config.
     l2_hints: bool = False
     pdl: bool = True
+    dynamic: bool = False
 
     # ---- derived facts -------------------------------------------------
     @property
@@ -164,7 +169,7 @@ class GemmConfig:
             f"m{self.tile_m}n{self.tile_n}k{self.tile_k}"
             f"s{self.resolved_stages(max(1, 128 // self.tile_k))}wg{self.consumer_warpgroups}"
             f"c{self.cluster_m}x{self.cluster_n}" + ("-l2hint" if self.l2_hints else "")
-            + ("" if self.pdl else "-nopdl")
+            + ("" if self.pdl else "-nopdl") + ("-dyn" if self.dynamic else "")
         )
 
 
@@ -177,7 +182,18 @@ class GemmConfig:
 # (1-4% faster in every case of the sweep).
 # Every decode tile is hinted (l2_hints): expected_m + 30% stays inside one
 # m-block in all three, so each weight tile is read by one cluster only.
-DECODE_CONFIG = GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2, l2_hints=True)
+# The smallest-m tiles (expected_m <= 48, bf16 and fp8) claim their units
+# dynamically: many experts of a few rows give 8-16 units per cluster, and
+# when routing is uneven the hot experts' extra m-blocks make some units cost
+# more than others. Paired A/B, dynamic vs static (H100, 2026-11-23,
+# `scripts/ab_revision.py --set dynamic=1`, dsv3-ep8 gate_up / down): bf16
+# uniform 1.001 / 0.995, skewed 0.962 / 0.964; fp8 uniform 1.008 / 0.993,
+# skewed 0.967 / 0.946. Fewer units per cluster pay the first claim's round
+# trip without that gain (qwen3-30b, 1.5-3 units: 1.04-1.06), so the other
+# tiles keep the static order.
+DECODE_CONFIG = GemmConfig(
+    tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2, l2_hints=True, dynamic=True
+)
 DECODE_128_CONFIG = GemmConfig(
     tile_m=128, tile_n=64, consumer_warpgroups=2, cluster_n=2, l2_hints=True
 )
@@ -194,7 +210,7 @@ _REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_192_CONFIG, MID_CONFIG,
 # sets per thread (running sum + one k-block's products) cap tile_n at 192,
 # so prefill keeps the 128x128 tile. See choose_config for the measurements.
 FP8_DECODE_CONFIG = GemmConfig(
-    tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1, cluster_n=2, l2_hints=True
+    tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1, cluster_n=2, l2_hints=True, dynamic=True
 )
 FP8_MID_CONFIG = dataclasses.replace(MID_CONFIG, tile_k=128)
 FP8_MID_N64_CONFIG = dataclasses.replace(DECODE_128_CONFIG, tile_k=128, l2_hints=False)

@@ -13,6 +13,7 @@ from cutlass import Int32
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from .config import EPI_STAGES, GemmConfig
+from .dynamic_scheduler import FEED_STAGES, TileFeed, producer_next_unit, reader_warps
 from .epilogue import SIGNAL_STAGES, TileEpilogue, TileStorer
 from .mainloop import consume_tile, consume_tile_blockscaled, produce_tile
 from .scheduler import MaskedTileScheduler
@@ -76,6 +77,11 @@ class MaskedGroupedGemmSm90:
     so the store warp can publish it while they move on. The
     producer runs ahead into the next tile while the consumers are in the
     epilogue, so loads overlap stores.
+
+    With ``config.dynamic`` each cluster claims its units, one at a time, from
+    a global counter (``dynamic_scheduler``): the producer warp of rank 0
+    claims, and a ``FEED_STAGES``-slot ring (full/empty mbarriers, ``st.async``
+    into the peer) hands each claim to every other role of the cluster.
 
     With ``config.pdl`` the grid is launched with programmatic dependent
     launch: every thread waits in ``griddepcontrol.wait`` after the barrier
@@ -146,6 +152,9 @@ class MaskedGroupedGemmSm90:
             "sD": cute.struct.Align[cute.struct.MemRange[out, d_size], 1024],
             "sSFA": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, sfa_size], 128],
         }
+        if self.config.dynamic:
+            fields["feed_mbar"] = cute.struct.MemRange[cutlass.Int64, 2 * FEED_STAGES]
+            fields["feed_slots"] = cute.struct.Align[cute.struct.MemRange[Int32, FEED_STAGES], 16]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
@@ -158,6 +167,7 @@ class MaskedGroupedGemmSm90:
         mSignals: cute.Tensor,  # int32 counters (unused when signal_mode is None)
         mSFA: cute.Tensor,  # fp8: (E, max_m, ceil(K/128)) fp32, M contiguous; else None
         mSFB: cute.Tensor,  # fp8: (E, ceil(N/128), ceil(K/128)) fp32; else None
+        mCounter: cute.Tensor,  # dynamic: (2,) int32 claim counter, zero between launches; else None
         num_ctas: Int32,
         stream,
     ):
@@ -215,6 +225,7 @@ class MaskedGroupedGemmSm90:
             tma_atom_sfa,
             mSFA_tma,
             mSFB_nkl,
+            mCounter,
             self.tiled_mma,
             self.a_smem_layout,
             self.b_smem_layout,
@@ -243,6 +254,7 @@ class MaskedGroupedGemmSm90:
         tma_atom_sfa,  # block-scaled only (else None)
         mSFA_tma,
         mSFB: cute.Tensor,  # (E, N/128, K/128)
+        mCounter,  # dynamic only (else None)
         tiled_mma: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
@@ -298,6 +310,17 @@ class MaskedGroupedGemmSm90:
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads),
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
                 defer_sync=True,
+            )
+        feed = None
+        if cutlass.const_expr(self.config.dynamic):
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    TileFeed.init_barriers(
+                        storage.feed_mbar.data_ptr(), reader_warps(self.cluster_n, self.num_consumer_wg)
+                    )
+            feed = TileFeed(
+                storage.feed_slots.get_tensor(cute.make_layout(FEED_STAGES)),
+                storage.feed_mbar.data_ptr(), self.cluster_n,
             )
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
 
@@ -362,6 +385,10 @@ class MaskedGroupedGemmSm90:
         consumer_barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_consumer_threads)
         tile_mn = (self.tile_mnk[0], self.tile_mnk[1])
         num_m_slots = (max_m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
+        num_clusters = gdim // self.cluster_n
+        # static order: cluster c starts on unit c; dynamic: every unit is
+        # claimed, and the walker starts from unit 0
+        sched_block = 0 if self.config.dynamic else bidx
         # Each role (producer, store warp, consumers) walks its own copy of
         # the scheduler below; all read the same masked_m. (A shared helper
         # closure is not allowed by the DSL inside staged branches.)
@@ -370,9 +397,13 @@ class MaskedGroupedGemmSm90:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
                 sched = MaskedTileScheduler.create(
-                    mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], bidx, gdim,
+                    mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], sched_block, gdim,
                     self.cluster_n, cta_rank,
                 )
+                claims = Int32(0)  # dynamic: feed slots used so far
+                if cutlass.const_expr(self.config.dynamic):
+                    sched.jump(producer_next_unit(feed, claims, cta_rank == 0, mCounter))
+                    claims += 1
                 work = sched.work()
                 producer_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
@@ -396,8 +427,15 @@ class MaskedGroupedGemmSm90:
                         tma_atom_b, tBgB_k, tBsB, k_tile_cnt, policy_a, policy_b, a_mcast_mask,
                         tma_atom_sfa, tSFAgSFA_k, tSFAsSFA,
                     )
-                    sched.advance()
+                    if cutlass.const_expr(self.config.dynamic):
+                        sched.jump(producer_next_unit(feed, claims, cta_rank == 0, mCounter))
+                        claims += 1
+                    else:
+                        sched.advance()
                     work = sched.work()
+                if cutlass.const_expr(self.config.dynamic):
+                    if cta_rank == 0:
+                        feed.finish(claims, mCounter, num_clusters)
                 if cutlass.const_expr(self.config.pdl):
                     # This CTA issued its last loads: once every CTA has, a
                     # PDL-launched kernel after this one may start its setup on
@@ -417,9 +455,13 @@ class MaskedGroupedGemmSm90:
                     cute.arch.lane_idx() == 0, epi_barrier,
                 )
                 sched = MaskedTileScheduler.create(
-                    mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], bidx, gdim,
+                    mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], sched_block, gdim,
                     self.cluster_n, cta_rank,
                 )
+                claims = Int32(0)
+                if cutlass.const_expr(self.config.dynamic):
+                    sched.jump(feed.receive(claims))
+                    claims += 1
                 work = sched.work()
                 sig_state = None
                 if cutlass.const_expr(sig_pipeline is not None):
@@ -436,7 +478,11 @@ class MaskedGroupedGemmSm90:
                         work.expert, work.m_block, work.n_block, work.valid_rows,
                         index, mSignals, sig_pipeline, sig_state,
                     )
-                    sched.advance()
+                    if cutlass.const_expr(self.config.dynamic):
+                        sched.jump(feed.receive(claims))
+                        claims += 1
+                    else:
+                        sched.advance()
                     work = sched.work()
                 storer.tail()
                 if cutlass.const_expr(self.trace):
@@ -464,9 +510,13 @@ class MaskedGroupedGemmSm90:
                 epi_barrier, consumer_barrier, self.epi_tile,
             )
             sched = MaskedTileScheduler.create(
-                mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], bidx, gdim,
+                mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], sched_block, gdim,
                 self.cluster_n, cta_rank,
             )
+            claims = Int32(0)
+            if cutlass.const_expr(self.config.dynamic):
+                sched.jump(feed.receive(claims))
+                claims += 1
             work = sched.work()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -499,7 +549,11 @@ class MaskedGroupedGemmSm90:
                     if consumer_tidx == 0 and tile_count < tr.MAX_TILES:
                         mSignals[trace_base + tr.TILE0 + 2 * tile_count + 1] = cute.arch.globaltimer_lo()
                 tile_count += 1
-                sched.advance()
+                if cutlass.const_expr(self.config.dynamic):
+                    sched.jump(feed.receive(claims))
+                    claims += 1
+                else:
+                    sched.advance()
                 work = sched.work()
             if cutlass.const_expr(self.trace):
                 if consumer_tidx == 0:

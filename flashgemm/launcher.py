@@ -38,6 +38,47 @@ def _validated(config: GemmConfig, elem_bytes: int) -> GemmConfig:
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", _FP8: "fp8e4m3"}
 
 
+_COUNTERS: dict = {}
+# Counters for launches captured into CUDA graphs: one per captured launch,
+# never reused. A graph may be replayed on any stream, next to eager launches
+# on its capture stream or to another graph captured on the same stream; its
+# own counters keep those from sharing one. (One graph exec never runs
+# concurrently with itself.) Zeroed here, outside any capture, so replays need
+# no memset node.
+_GRAPH_POOL_SLOTS = 1024
+_GRAPH_POOLS: dict = {}
+
+
+def _claim_counter(index: int) -> torch.Tensor:
+    """The dynamic scheduler's claim counter for a launch on the current
+    stream of GPU ``index``: int32 (2,), zero before the launch, returned to
+    zero by it (``dynamic_scheduler``). Eager launches use one per stream, so
+    launches on two streams never share one; a launch being captured into a
+    CUDA graph gets a counter of its own."""
+    if torch._C._cuda_isCurrentStreamCapturing():
+        pool, used = _GRAPH_POOLS.get(index, (None, _GRAPH_POOL_SLOTS))
+        if used < _GRAPH_POOL_SLOTS:
+            _GRAPH_POOLS[index] = (pool, used + 1)
+            return pool[used]
+        # no zeroed slot left: allocate in the graph's pool (its zeroing
+        # becomes a memset node of the graph)
+        return torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", index))
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", index))
+        _COUNTERS[key] = counter
+    return counter
+
+
+def _prepare_graph_counters(index: int) -> None:
+    """Zero a pool of counters for launches captured later (called when a
+    dynamic launch plan is made, normally during warm-up, outside capture)."""
+    if index not in _GRAPH_POOLS and not torch._C._cuda_isCurrentStreamCapturing():
+        pool = torch.zeros(_GRAPH_POOL_SLOTS, 2, dtype=torch.int32, device=torch.device("cuda", index))
+        _GRAPH_POOLS[index] = (pool, 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _unused_signals(index: int) -> torch.Tensor:
     # the compiled signature always takes a counter tensor; without signals
@@ -207,7 +248,7 @@ class _LaunchPlan:
 
     __slots__ = (
         "fn", "num_ctas", "layout", "out_shape", "out_dtype", "copy_a_scale",
-        "aligned", "written", "extents", "unused_signals", "last_ok",
+        "aligned", "written", "extents", "unused_signals", "last_ok", "counter_device",
     )
 
     def __init__(self, **kw):
@@ -263,7 +304,9 @@ class _LaunchPlan:
         # H100 machine's CPU.)
         self.fn(
             a, b, out, masked_m, self.unused_signals if dst_signals is None else dst_signals,
-            a_scale, b_scale, self.num_ctas,
+            a_scale, b_scale,
+            None if self.counter_device is None else _claim_counter(self.counter_device),
+            self.num_ctas,
         )
         return out if self.layout is None else (out, self.layout)
 
@@ -310,6 +353,8 @@ def _make_plan(
     d_dtype = out_dtype(a.dtype)
     copy_a_scale = fp8 and tma_ready_a_scale(a_scale, check_only=True)
     fn = get_kernel(config, _DTYPE_NAMES[a.dtype], _DTYPE_NAMES[d_dtype], signal_mode=mode)
+    if config.dynamic and index is not None:
+        _prepare_graph_counters(index)
     return _LaunchPlan(
         # call the TVM-FFI function itself, not the DSL's Python wrapper around it
         fn=getattr(fn, "__tvm_ffi_object__", lambda: None)() or fn,
@@ -319,6 +364,7 @@ def _make_plan(
         out_dtype=d_dtype,
         copy_a_scale=copy_a_scale,
         unused_signals=_unused_signals(index) if dst_signals is None else None,
+        counter_device=index if config.dynamic else None,
         **_pointer_rules((a, b, masked_m, out, a_scale, b_scale, dst_signals), copy_a_scale),
     )
 

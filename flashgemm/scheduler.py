@@ -16,7 +16,9 @@ tile through TMA multicast. A rank whose n-block falls past N (odd n-block
 count) still runs the mainloop, since its peer needs its half of A, but
 stores nothing (the TMA unit and the column predicate clip it).
 
-Cluster (or CTA) ``c`` of ``G`` takes units c, c + G, c + 2G, ...
+Cluster (or CTA) ``c`` of ``G`` takes units c, c + G, c + 2G, ... With
+``GemmConfig.dynamic`` it starts on unit c and claims every later one from a
+global counter (``dynamic_scheduler``); ``jump`` moves the walker there.
 The scheduler walks the experts forward once (the tile index only grows), so
 the cost is O(E) loads of masked_m per CTA over the whole kernel, never a host
 sync. The producer warp and the consumer warpgroups each run their own copy;
@@ -224,4 +226,10 @@ class MaskedTileScheduler:
 
     def advance(self):
         self.linear_idx = self.linear_idx + self.num_ctas
+        self._seek()
+
+    def jump(self, unit: Int32):
+        """Move to linear unit ``unit`` (never behind the current one): the
+        dynamic order's next claim."""
+        self.linear_idx = unit
         self._seek()

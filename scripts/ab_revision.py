@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The working tree's GEMM against another revision's, in one process.
+"""The working tree's GEMM against another revision's, or against itself with
+config fields changed, in one process.
 
 Kernel changes of a few percent hide in the drift between processes and
 machines (the same graph moved 99.5 -> 109.6 us over one run), so both
@@ -15,6 +16,12 @@ git is, since the GPU machine gets no repository:
         && mv scratch/base/flashgemm scratch/base/flashgemm_base
     python scripts/ab_revision.py --base scratch/base [--dtype bf16 fp8] [--dist uniform skewed]
 
+``--set FIELD=VALUE`` (repeatable) changes the working tree's heuristic
+config (a ``GemmConfig`` field, e.g. ``--set dynamic=1``); without ``--base``
+the other side is the working tree's unchanged heuristic config:
+
+    python scripts/ab_revision.py --set dynamic=1 --dist uniform skewed
+
 Each package compiles into the same cache directory under its own keys (the
 source digest is part of the key).
 """
@@ -22,6 +29,7 @@ source digest is part of the key).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,14 +45,27 @@ from bench import (  # noqa: E402
 )
 
 
-def compare_case(base, case, seed, fp8, dist, rounds, reps):
+def tree_config(case, fp8, changes):
+    """The working tree's heuristic config for a case with ``changes`` applied
+    (None: no changes, let the call choose)."""
+    if not changes:
+        return None
+    cfg = flashgemm.choose_config(
+        case["expected_m"], case["max_m"], case["N"], case["K"],
+        torch.cuda.get_device_properties(0).multi_processor_count, fp8, case["E"],
+    )
+    return dataclasses.replace(cfg, **changes)
+
+
+def compare_case(base, case, seed, fp8, dist, rounds, reps, changes=None):
     e, max_m, n, em = case["E"], case["max_m"], case["N"], case["expected_m"]
     masked_m = draw_masked_m(case, seed, dist).cuda()
     a, b, a_scale, b_scale = case_operands(case, seed, fp8)
     outs = [torch.full((e, max_m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    cfg = tree_config(case, fp8, changes)
     fns = [
         lambda: flashgemm.grouped_gemm_nt_masked(
-            a, b, outs[0], masked_m, expected_m=em, a_scale=a_scale, b_scale=b_scale
+            a, b, outs[0], masked_m, expected_m=em, a_scale=a_scale, b_scale=b_scale, config=cfg
         ),
         lambda: base.grouped_gemm_nt_masked(
             a, b, outs[1], masked_m, expected_m=em, a_scale=a_scale, b_scale=b_scale
@@ -55,7 +76,7 @@ def compare_case(base, case, seed, fp8, dist, rounds, reps):
     torch.cuda.synchronize()
     for i, m in enumerate(masked_m.tolist()):
         if not torch.equal(outs[0][i, :m], outs[1][i, :m]):
-            raise SystemExit(f"{case['name']}: expert {i} differs between the two packages")
+            raise SystemExit(f"{case['name']}: expert {i} differs between the two sides")
     ours, theirs = time_graph_rounds(fns, rounds=rounds, reps=reps)
     return (1e3 * statistics.median(ours), 1e3 * statistics.median(theirs),
             paired_median(lambda x, y: x / y, ours, theirs))
@@ -63,7 +84,10 @@ def compare_case(base, case, seed, fp8, dist, rounds, reps):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", required=True, help="directory holding the flashgemm_base package")
+    p.add_argument("--base", help="directory holding the flashgemm_base package "
+                   "(default: the working tree itself, with its unchanged heuristic config)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="change a GemmConfig field of the working tree's heuristic config (ints)")
     p.add_argument("--cases", nargs="*", help="case names (default: the decode cases)")
     p.add_argument("--dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     p.add_argument("--dist", nargs="+", choices=DISTRIBUTIONS, default=["uniform"])
@@ -72,12 +96,23 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ab_revision.py needs a CUDA GPU")
-    sys.path.insert(0, os.path.abspath(args.base))
-    import flashgemm_base
+    kinds = {f.name: f.type for f in dataclasses.fields(flashgemm.GemmConfig)}  # "int" / "bool"
+    changes = {}
+    for item in args.set:
+        field, _, value = item.partition("=")
+        if field not in kinds:
+            p.error(f"--set {item}: GemmConfig has no field {field!r}")
+        changes[field] = bool(int(value)) if kinds[field] == "bool" else int(value)
+    if args.base:
+        sys.path.insert(0, os.path.abspath(args.base))
+        import flashgemm_base as base
+    else:
+        base = flashgemm
 
     spec = json.load(open(CASES_FILE))
     cases = [c for c in spec["cases"] if (c["name"] in args.cases if args.cases else c["regime"] == "decode")]
-    print(f"Device: {torch.cuda.get_device_name()}; heuristic config of each package; median of "
+    print(f"Device: {torch.cuda.get_device_name()}; heuristic config of each side"
+          f"{' (working tree: ' + ', '.join(args.set) + ')' if args.set else ''}; median of "
           f"{args.rounds} interleaved rounds of {args.reps} graph replays; ratio: median per-round ratio")
     print("| dtype | masked_m | case | working tree us | base us | tree / base |")
     print("|---|---|---|---|---|---|")
@@ -86,7 +121,7 @@ def main():
             for case in cases:
                 # seed = the case's place in the file, as in bench.py
                 ours, theirs, ratio = compare_case(
-                    flashgemm_base, case, spec["cases"].index(case), dtype == "fp8", dist, args.rounds, args.reps
+                    base, case, spec["cases"].index(case), dtype == "fp8", dist, args.rounds, args.reps, changes
                 )
                 print(f"| {dtype} | {dist} | {case['name']} | {ours:.1f} | {theirs:.1f} | {ratio:.3f} |", flush=True)
 

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from flashgemm import compile as fg_compile, trace  # noqa: E402
 from flashgemm.config import choose_config  # noqa: E402
-from flashgemm.launcher import _make_plan  # noqa: E402
+from flashgemm.launcher import _claim_counter, _make_plan  # noqa: E402
 from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -53,9 +53,10 @@ def trace_case(case, seed, fp8):
     plan = _make_plan(a, b, out, masked_m, sa, sb, case["expected_m"], None, cfg, None, "m_block")
     fn = fg_compile.build(cfg, "fp8e4m3" if fp8 else "bf16", trace=True)
     buf = torch.zeros(plan.num_ctas * trace.SLOTS, dtype=torch.int32, device="cuda")
+    counter = _claim_counter(torch.cuda.current_device()) if cfg.dynamic else None
 
     def call():
-        fn(a, b, out, masked_m, buf, sa, sb, plan.num_ctas)
+        fn(a, b, out, masked_m, buf, sa, sb, counter, plan.num_ctas)
 
     for _ in range(5):
         call()

@@ -140,3 +140,31 @@ def test_pdl_waits_before_any_global_access(cfg, dtype, mode):
     ).__ptx__
     assert "griddepcontrol" not in plain
     assert re.search(_GLOBAL_ACCESS, plain)
+
+
+@pytest.mark.parametrize(
+    "cfg, dtype",
+    [
+        (dataclasses.replace(HEURISTIC_CONFIGS[1], dynamic=True), "bf16"),  # 2-CTA cluster
+        (dataclasses.replace(HEURISTIC_CONFIGS[3], dynamic=True, cluster_n=1), "bf16"),
+        (dataclasses.replace(FP8_HEURISTIC_CONFIGS[1], dynamic=True), "fp8e4m3"),
+    ],
+    ids=["bf16-cluster2", "bf16-cluster1", "fp8-cluster2"],
+)
+def test_dynamic_order_claims_and_returns_the_counter(cfg, dtype):
+    """The dynamic order claims units with a relaxed global add, counts
+    finished clusters with an acq_rel add (whose last one zeroes the counter),
+    hands claims to the cluster's peer with st.async into its shared memory,
+    and still touches no global memory before griddepcontrol.wait. The
+    static build has none of it."""
+    ptx = fg_compile.build(cfg, dtype, arch="sm_90a", keep_ptx=True).__ptx__
+    assert re.search(r"atom\.global\.add\.u32", ptx)
+    assert re.search(r"atom\.global\.acq_rel\.add\.u32", ptx)
+    if cfg.cluster_n > 1:
+        assert "st.async" in ptx and "mbarrier.arrive.expect_tx.shared::cluster" in ptx
+    else:
+        assert "st.async" not in ptx
+    first_access = re.search(_GLOBAL_ACCESS, ptx)
+    assert ptx.index("griddepcontrol.wait") < first_access.start()
+    static = fg_compile.build(dataclasses.replace(cfg, dynamic=False), dtype, arch="sm_90a", keep_ptx=True).__ptx__
+    assert "atom.global" not in static and "st.async" not in static
