@@ -41,10 +41,11 @@ class GemmConfig:
         back-to-back calls ran 1-2.6% faster on the decode cases (qwen3-30b
         fp8 23.7 -> 23.1 us, bf16 42.9 -> 41.7; H100, 2026-11-23, paired
         rounds), and prefill moved by less than its noise.
-    dynamic: after its first unit, each cluster claims the next one from a
-        per-stream global counter instead of taking every G-th unit
-        (``dynamic_scheduler``): SMs that start late or run slow tiles take
-        fewer units.
+    dynamic: each cluster claims every unit it runs from a global counter
+        (one per stream, or per graph-captured launch) instead of taking
+        every G-th unit (``dynamic_scheduler``): SMs that start late or run
+        slow tiles take fewer units, and a cluster that never gets an SM
+        takes none.
     """
 
     tile_m: int = 128

@@ -11,9 +11,8 @@ unit waits on it. Claims come in increasing order, so the masked walker
 Who claims: lane 0 of the producer warp of the cluster's rank-0 CTA, at the
 start and right after it has issued the last loads of its current unit (the
 consumers still have ``stages`` k-tiles in flight, which hide the atomic's
-round trip). It
-hands the index to every other role of both CTAs through a ring of
-``FEED_STAGES`` shared-memory slots in each CTA:
+round trip). It hands the index to every other role of both CTAs through a
+ring of ``FEED_STAGES`` shared-memory slots in each CTA:
 
 * full barrier (one per slot and CTA, 1 arrival + 4 transaction bytes): the
   claimer writes the local slot and arrives; it writes the peer's slot with
@@ -25,14 +24,15 @@ Readers: the store warp and every consumer warp in each CTA, and the producer
 warp of the other ranks.
 
 The counter (``counter[0]``) and a count of finished clusters
-(``counter[1]``) live in a per-stream workspace the host allocates zeroed once
-(``launcher``). The kernel returns both to zero: each claimer, after the claim
-that ran past the last unit, adds 1 to ``counter[1]`` (acq_rel); the one that
-brings it to G has seen every other cluster's last claim and stores the
-zeros. No host memset, and since each stream has its own workspace, two
-launches on different streams never share a counter; launches on one stream
-are ordered (with PDL, ``griddepcontrol.wait`` waits for the previous grid to
-complete before any thread touches global memory).
+(``counter[1]``) are 8 bytes the host zeroes once (``launcher``): one per
+stream for eager launches, one per launch captured into a CUDA graph. The
+kernel returns both to zero: each claimer, after the claim that ran past the
+last unit, adds 1 to ``counter[1]`` (acq_rel); the one that brings it to G has
+seen every other cluster's last claim and stores the zeros. So there is no
+memset, and two launches that may run at the same time (two streams, a graph
+replayed beside eager work) never share a counter. Launches on one stream are
+ordered: with PDL, ``griddepcontrol.wait`` waits for the previous grid to
+complete before any thread touches global memory.
 """
 
 from __future__ import annotations
