@@ -21,7 +21,7 @@ import threading
 from typing import Callable, Dict, Optional
 
 from . import diskcache
-from .config import GemmConfig
+from .config import CLAIM_COUNTER_INTS, GemmConfig
 
 # Every compile the process made, by key (tests count them).
 _cache: Dict[tuple, Callable] = {}
@@ -171,9 +171,7 @@ def build(
     a, b, d, masked_m, signals, sfa, sfb = _fake_args(ab_t, out_t)
     counter = None
     if config.dynamic:
-        from .dynamic_scheduler import WORKSPACE_INTS
-
-        counter = cute.runtime.make_fake_tensor(cutlass.Int32, (WORKSPACE_INTS,), (1,), assumed_align=4)
+        counter = cute.runtime.make_fake_tensor(cutlass.Int32, (CLAIM_COUNTER_INTS,), (1,), assumed_align=4)
     with _compile_options(keep_ptx) as options:
         fn = cute.compile(
             gemm,

@@ -16,6 +16,9 @@ SM90_SMEM_BYTES = 232448
 # mbarriers and alignment slack kept out of the operand ring.
 _SMEM_RESERVED_BYTES = 1024
 EPI_STAGES = 2
+# The dynamic order's claim counter: int32 (next unit, finished clusters).
+# Here, not in dynamic_scheduler, so the launcher allocates it without cutlass.
+CLAIM_COUNTER_INTS = 2
 
 
 @dataclasses.dataclass(frozen=True)

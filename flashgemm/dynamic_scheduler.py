@@ -24,7 +24,7 @@ Readers: the store warp and every consumer warp in each CTA, and the producer
 warp of the other ranks.
 
 The counter (``counter[0]``) and a count of finished clusters
-(``counter[1]``) are 8 bytes the host zeroes once (``launcher``): one per
+(``counter[1]``; ``config.CLAIM_COUNTER_INTS``) are 8 bytes the host zeroes once (``launcher``): one per
 stream for eager launches, one per launch captured into a CUDA graph. The
 kernel returns both to zero: each claimer, after the claim that ran past the
 last unit, adds 1 to ``counter[1]`` (acq_rel); the one that brings it to G has
@@ -45,7 +45,6 @@ from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 # Slots of the claim ring. Readers take a slot when they finish a unit, the
 # store warp last; three slots let the claimer run a unit ahead of it.
 FEED_STAGES = 3
-WORKSPACE_INTS = 2
 
 
 def reader_warps(cluster_n: int, consumer_warpgroups: int) -> int:

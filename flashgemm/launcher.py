@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .config import GemmConfig, choose_config
+from .config import CLAIM_COUNTER_INTS, GemmConfig, choose_config
 from .signals import SignalLayout, check_granularity, make_signal_layout, validate_signals
 from .validation import (
     _FP8,
@@ -49,6 +49,12 @@ _GRAPH_POOL_SLOTS = 1024
 _GRAPH_POOLS: dict = {}
 
 
+def _zeroed_counters(index: int, *count: int) -> torch.Tensor:
+    """Zeroed claim counter(s) on GPU ``index``: (CLAIM_COUNTER_INTS,), or
+    (count, CLAIM_COUNTER_INTS) with a count."""
+    return torch.zeros(*count, CLAIM_COUNTER_INTS, dtype=torch.int32, device=torch.device("cuda", index))
+
+
 def _claim_counter(index: int) -> torch.Tensor:
     """The dynamic scheduler's claim counter for a launch on the current
     stream of GPU ``index``: int32 (2,), zero before the launch, returned to
@@ -62,11 +68,11 @@ def _claim_counter(index: int) -> torch.Tensor:
             return pool[used]
         # no zeroed slot left: allocate in the graph's pool (its zeroing
         # becomes a memset node of the graph)
-        return torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", index))
+        return _zeroed_counters(index)
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     counter = _COUNTERS.get(key)
     if counter is None:
-        counter = torch.zeros(2, dtype=torch.int32, device=torch.device("cuda", index))
+        counter = _zeroed_counters(index)
         _COUNTERS[key] = counter
     return counter
 
@@ -75,7 +81,7 @@ def _prepare_graph_counters(index: int) -> None:
     """Zero a pool of counters for launches captured later (called when a
     dynamic launch plan is made, normally during warm-up, outside capture)."""
     if index not in _GRAPH_POOLS and not torch._C._cuda_isCurrentStreamCapturing():
-        pool = torch.zeros(_GRAPH_POOL_SLOTS, 2, dtype=torch.int32, device=torch.device("cuda", index))
+        pool = _zeroed_counters(index, _GRAPH_POOL_SLOTS)
         _GRAPH_POOLS[index] = (pool, 0)
 
 

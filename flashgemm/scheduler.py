@@ -17,8 +17,9 @@ count) still runs the mainloop, since its peer needs its half of A, but
 stores nothing (the TMA unit and the column predicate clip it).
 
 Cluster (or CTA) ``c`` of ``G`` takes units c, c + G, c + 2G, ... With
-``GemmConfig.dynamic`` it starts on unit c and claims every later one from a
-global counter (``dynamic_scheduler``); ``jump`` moves the walker there.
+``GemmConfig.dynamic`` the walker starts from unit 0 and each cluster claims
+every unit it runs from a global counter (``dynamic_scheduler``); ``jump``
+moves the walker to the claimed unit.
 The scheduler walks the experts forward once (the tile index only grows), so
 the cost is O(E) loads of masked_m per CTA over the whole kernel, never a host
 sync. The producer warp and the consumer warpgroups each run their own copy;
