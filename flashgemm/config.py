@@ -49,6 +49,9 @@ class GemmConfig:
         every G-th unit (``dynamic_scheduler``): SMs that start late or run
         slow tiles take fewer units, and a cluster that never gets an SM
         takes none.
+    l2_warmup: with ``pdl``, each CTA prefetches into L2 the first ring's
+        worth of weight k-tiles of its likely first tile before waiting for
+        the previous kernel, so the weight stream starts during its tail.
     """
 
     tile_m: int = 128
@@ -65,6 +68,17 @@ class GemmConfig:
     l2_hints: bool = False
     pdl: bool = True
     dynamic: bool = False
+    # With pdl: before its griddepcontrol.wait, each CTA's producer asks the
+    # TMA unit to prefetch into L2 the first ring's worth of weight k-tiles
+    # of the tile it will likely start on (kernel._warm_l2_weights), so the
+    # weight stream starts while the kernel before it drains. Paired A/B on
+    # H100, 2026-11-23 (`ab_revision.py --set l2_warmup=1`, heuristic
+    # configs, uniform m): fp8 decode 0.941-0.996 (qwen3-235b-ep8-down 41.7
+    # -> 39.2 us, dsv3-ep32-down 58.7 -> 56.8, qwen3-30b 22.5 -> 22.0), bf16
+    # decode 0.975-1.008, prefill 0.990-1.003; sparse routing, where the
+    # guess is often an empty expert, 0.881-1.011. Twice the depth: fp8
+    # qwen3-30b 1.058, the rest within 2%, so one ring it is.
+    l2_warmup: bool = True
 
     # ---- derived facts -------------------------------------------------
     @property
@@ -174,6 +188,7 @@ class GemmConfig:
             f"s{self.resolved_stages(max(1, 128 // self.tile_k))}wg{self.consumer_warpgroups}"
             f"c{self.cluster_m}x{self.cluster_n}" + ("-l2hint" if self.l2_hints else "")
             + ("" if self.pdl else "-nopdl") + ("-dyn" if self.dynamic else "")
+            + ("" if self.l2_warmup else "-nowarm")
         )
 
 

@@ -86,7 +86,9 @@ class MaskedGroupedGemmSm90:
     With ``config.pdl`` the grid is launched with programmatic dependent
     launch: every thread waits in ``griddepcontrol.wait`` after the barrier
     set-up and before its first global access, and the producer warp issues
-    ``griddepcontrol.launch_dependents`` once its loads are all issued.
+    ``griddepcontrol.launch_dependents`` once its loads are all issued. With
+    ``config.l2_warmup`` as well, the producer warp first has the TMA unit
+    prefetch its likely first tile's leading weight k-tiles into L2.
     """
 
     def __init__(self, config: GemmConfig, ab_dtype, out_dtype, signal_mode=None, trace=False):
@@ -239,6 +241,29 @@ class MaskedGroupedGemmSm90:
             use_pdl=self.config.pdl,
         )
 
+    @cute.jit
+    def _warm_l2_weights(
+        self, tma_atom_b, tBgB, cluster, cta_rank, num_n_blocks, num_experts, k_tile_cnt
+    ):
+        """Before ``griddepcontrol.wait``: ask the TMA unit to bring the first
+        ring's worth of weight k-tiles of this CTA's likely first tile into L2.
+
+        The weights are not written by the kernel before this one (a prefetch
+        into L2 is coherent even if they were: it only moves lines into the
+        cache every SM reads through), so the HBM reads can start during that
+        kernel's tail instead of after it. The first unit is guessed without
+        masked_m (not readable yet): unit ``cluster`` as if every expert held
+        one m-block, exact for the decode tiles where m_e fits one. A wrong
+        guess costs at most ``stages`` k-tiles of reads per CTA.
+        """
+        n_groups = (num_n_blocks + (self.cluster_n - 1)) // self.cluster_n
+        expert = cluster // n_groups
+        n_block = (cluster - expert * n_groups) * self.cluster_n + cta_rank
+        if (expert < num_experts) & (n_block < num_n_blocks):
+            with cute.arch.elect_one():
+                for k_tile in cutlass.range(cutlass.min(k_tile_cnt, self.stages), unroll=1):
+                    cute.prefetch(tma_atom_b, tBgB[(None, n_block, k_tile, expert)])
+
     @cute.kernel
     def kernel(
         self,
@@ -366,6 +391,11 @@ class MaskedGroupedGemmSm90:
         # barrier init visible to every thread of the cluster before anyone
         # waits on them or multicasts into a peer
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
+        if cutlass.const_expr(self.config.pdl and self.config.l2_warmup):
+            if warp_idx == 0:
+                self._warm_l2_weights(
+                    tma_atom_b, tBgB, bidx // self.cluster_n, cta_rank, num_n_blocks, num_experts, k_tile_cnt
+                )
         if cutlass.const_expr(self.config.pdl):
             # Launched with programmatic dependent launch, this CTA may be
             # running before the previous kernel on the stream has finished:

@@ -163,21 +163,29 @@ def consume_tile_blockscaled(
             next_b1 = mSFB_nkl[(sfb_block1, k_next, expert)]
         acc_block.fill(0.0)
         ab_pipeline.consumer_wait(read_state)
+        # The slot's activation scales are read, and multiplied by the weight
+        # scales, before the wgmma is issued: their shared-memory latency then
+        # hides behind the wgmma instead of sitting between its retirement and
+        # the promotion, when this warpgroup issues nothing to the tensor cores.
+        sfa0 = sSFA[(rows[0], 0, read_state.index)]
+        sfa1 = sSFA[(rows[1], 0, read_state.index)]
+        # scale[h][c]: row half h (accumulator value mode 1), weight-scale block c
+        scale = ((sfa0 * sfb0, sfa0 * sfb1), (sfa1 * sfb0, sfa1 * sfb1))
         cute.nvgpu.warpgroup.fence()
         for k_block in cutlass.range_constexpr(num_k_blocks):
             coord = (None, None, k_block, read_state.index)
             cute.gemm(tiled_mma, acc_block, tCrA[coord], tCrB[coord], acc_block)
         cute.nvgpu.warpgroup.commit_group()
         cute.nvgpu.warpgroup.wait_group(0)
-        sfa = (sSFA[(rows[0], 0, read_state.index)], sSFA[(rows[1], 0, read_state.index)])
         ab_pipeline.consumer_release(read_state)
         read_state.advance()
         # value i of the wgmma accumulator fragment: column pair (i % 2),
         # row half (i // 2 % 2), 8-column group (i // 4)
         for i in cutlass.range_constexpr(cute.size(accumulators)):
-            col = (i // 4) * 8
-            scale_b = sfb0
+            half = (i // 2) % 2
+            s = scale[half][0]
             if cutlass.const_expr(straddles):
-                scale_b = cutlass.select_(n0 + col >= (sfb_block0 + 1) * 128, sfb1, sfb0)
-            accumulators[i] = accumulators[i] + acc_block[i] * (sfa[(i // 2) % 2] * scale_b)
+                col = (i // 4) * 8
+                s = cutlass.select_(n0 + col >= (sfb_block0 + 1) * 128, scale[half][1], scale[half][0])
+            accumulators[i] = accumulators[i] + acc_block[i] * s
     return read_state

@@ -4,7 +4,12 @@
     python scripts/bench_host.py [--rounds 5] [--cpu N]
 
 Every row is timed in ``--rounds`` interleaved rounds (2000 calls each, the
-median call per round); the table gives the median round and the range.
+median call per round); the table gives the median round and the range. Each
+round starts one row later than the one before: the first row of a round had
+read 3-4 us slower than the same call later in the round (H100 machine,
+2026-11-23: 13.5 us for the whole call against 9.4 for the heuristic path,
+which launches the same kernel). The GPU time of the same call (graph replay)
+is printed too: a host time under it would be the launch queue's pace.
 ``--cpu N`` pins the process to core N first. On the shared device host that
 did not steady the whole call: 7.4 and 12.4 us pinned, 10.4 and 8.2 unpinned,
 on two machines (H100, 2026-11-23); torch's own call moved with it.
@@ -25,7 +30,7 @@ import flashgemm  # noqa: E402
 from flashgemm import launcher  # noqa: E402
 from flashgemm.compile import get_kernel  # noqa: E402
 from flashgemm.config import DECODE_CONFIG  # noqa: E402
-from bench import host_us  # noqa: E402
+from bench import host_us, time_graph  # noqa: E402
 
 
 def main():
@@ -72,11 +77,14 @@ def main():
     print(f"torch {torch.__version__}; DLPack C exchange API: {'yes' if fast else 'no'}; {pinned}; "
           f"{os.cpu_count()} cores; median call per round, median round [range] of {args.rounds}")
     times = {name: [] for name in rows}
-    for _ in range(args.rounds):
-        for name, f in rows.items():
-            times[name].append(host_us(f, reps=2000))
+    names = list(rows)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            times[name].append(host_us(rows[name], reps=2000))
     for name, ts in times.items():
         print(f"{name:40s} {statistics.median(ts):8.1f} us  [{min(ts):.1f} - {max(ts):.1f}]")
+    gpu_us = 1e3 * time_graph(rows[names[0]], reps=30)
+    print(f"{'GPU time of the whole call (graph)':40s} {gpu_us:8.1f} us")
     cold_start()
 
 

@@ -140,6 +140,15 @@ def test_pdl_waits_before_any_global_access(cfg, dtype, mode):
     ).__ptx__
     assert "griddepcontrol" not in plain
     assert re.search(_GLOBAL_ACCESS, plain)
+    # l2_warmup (on by default, with PDL only): the TMA prefetches of the
+    # first weight k-tiles into L2 are issued before the wait
+    warm = "cp.async.bulk.prefetch.tensor.3d.L2.global"
+    assert cfg.l2_warmup and 0 <= ptx.find(warm) < ptx.index("griddepcontrol.wait")
+    assert warm not in plain
+    cold = fg_compile.build(
+        dataclasses.replace(cfg, l2_warmup=False), dtype, arch="sm_90a", keep_ptx=True, signal_mode=mode
+    ).__ptx__
+    assert warm not in cold and cold.count("griddepcontrol.wait") == 1
 
 
 @pytest.mark.parametrize(
