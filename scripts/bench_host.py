@@ -5,11 +5,12 @@
 
 Every row is timed in ``--rounds`` interleaved rounds (2000 calls each, the
 median call per round); the table gives the median round and the range. Each
-round starts one row later than the one before: the first row of a round had
-read 3-4 us slower than the same call later in the round (H100 machine,
-2026-11-23: 13.5 us for the whole call against 9.4 for the heuristic path,
-which launches the same kernel). The GPU time of the same call (graph replay)
-is printed too: a host time under it would be the launch queue's pace.
+round starts one row later than the one before, so no row always runs first:
+with a fixed order, one run put the whole call (the first row) at 13.5 us and
+the heuristic path, which launches the same kernel, at 9.4 (H100 machine,
+2026-11-23); rotated, the next run read 13.4 and 12.4. The GPU time of the
+same call (graph replay) is printed too: a host time under it would be the
+launch queue's pace.
 ``--cpu N`` pins the process to core N first. On the shared device host that
 did not steady the whole call: 7.4 and 12.4 us pinned, 10.4 and 8.2 unpinned,
 on two machines (H100, 2026-11-23); torch's own call moved with it.
