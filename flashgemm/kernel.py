@@ -252,14 +252,14 @@ class MaskedGroupedGemmSm90:
         into L2 is coherent even if they were: it only moves lines into the
         cache every SM reads through), so the HBM reads can start during that
         kernel's tail instead of after it. The first unit is guessed without
-        masked_m (not readable yet): unit ``cluster`` as if every expert held
-        one m-block, exact for the decode tiles where m_e fits one. A wrong
-        guess costs at most ``stages`` k-tiles of reads per CTA.
+        masked_m (not readable yet; ``MaskedTileScheduler.first_tile_guess``),
+        exact for the decode tiles where m_e fits one m-block. A wrong guess
+        costs at most ``stages`` k-tiles of reads per CTA.
         """
-        n_groups = (num_n_blocks + (self.cluster_n - 1)) // self.cluster_n
-        expert = cluster // n_groups
-        n_block = (cluster - expert * n_groups) * self.cluster_n + cta_rank
-        if (expert < num_experts) & (n_block < num_n_blocks):
+        expert, n_block, in_range = MaskedTileScheduler.first_tile_guess(
+            cluster, cta_rank, num_n_blocks, num_experts, self.cluster_n
+        )
+        if in_range:
             with cute.arch.elect_one():
                 for k_tile in cutlass.range(cutlass.min(k_tile_cnt, self.stages), unroll=1):
                     cute.prefetch(tma_atom_b, tBgB[(None, n_block, k_tile, expert)])

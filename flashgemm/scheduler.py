@@ -88,6 +88,11 @@ def valid_tiles(
     return out
 
 
+def _n_groups(num_n_blocks, cluster_n: int):
+    """Units along N: clusters of ``cluster_n`` CTAs take adjacent n-blocks."""
+    return (num_n_blocks + (cluster_n - 1)) // cluster_n
+
+
 class WorkTile:
     """One tile handed out by :class:`MaskedTileScheduler` (device values)."""
 
@@ -163,6 +168,19 @@ class MaskedTileScheduler:
         )
 
     @staticmethod
+    def first_tile_guess(
+        cluster: Int32, cta_rank: Int32, num_n_blocks: Int32, num_experts: Int32, cluster_n: int
+    ):
+        """(expert, n_block, in_range) of unit ``cluster`` as if every expert
+        held exactly one m-block: the tile a cluster starts on when m_e fits
+        one tile, known without reading masked_m (the kernel's L2 warm-up
+        runs before it may). ``in_range``: both indices name a real tile."""
+        num_n_groups = _n_groups(num_n_blocks, cluster_n)
+        expert = cluster // num_n_groups
+        n_block = (cluster - expert * num_n_groups) * cluster_n + cta_rank
+        return expert, n_block, (expert < num_experts) & (n_block < num_n_blocks)
+
+    @staticmethod
     def create(
         mMaskedM: cute.Tensor,
         num_experts: Int32,
@@ -176,7 +194,7 @@ class MaskedTileScheduler:
     ) -> "MaskedTileScheduler":
         """num_n_blocks: n-blocks of the output; block_idx / grid_size: this CTA
         and the grid (a multiple of cluster_n); cta_rank: rank in the cluster."""
-        num_n_groups = (num_n_blocks + (cluster_n - 1)) // cluster_n
+        num_n_groups = _n_groups(num_n_blocks, cluster_n)
         sched = MaskedTileScheduler(
             mMaskedM, num_experts, max_m, num_n_groups, tile_m, grid_size // cluster_n,
             cluster_n, Int32(cta_rank), Int32(block_idx // cluster_n), Int32(0), Int32(0), Int32(0),

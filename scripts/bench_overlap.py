@@ -30,15 +30,13 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
-from bench import CASES_FILE, draw_masked_m, paired_median, time_graph_rounds  # noqa: E402
+from bench import CASES_FILE, case_operands, draw_masked_m, paired_median, time_graph_rounds  # noqa: E402
 from flashgemm.overlap import combine_masked, run_gemm_and_combine  # noqa: E402
 
 
 def run_case(case, seed, combine_sms, reps, rounds, top_k, rows_per_item=None):
     e_count, max_m, n, k, em = case["E"], case["max_m"], case["N"], case["K"], case["expected_m"]
-    torch.manual_seed(seed)
-    a = torch.randn(e_count, max_m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(e_count, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    a, b, _, _ = case_operands(case, seed)
     masked_m = draw_masked_m(case, seed).cuda()
     out = torch.empty(e_count, max_m, n, device="cuda", dtype=torch.bfloat16)
     # The combine stands for a rank's receive side: each token sums the rows

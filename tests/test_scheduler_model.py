@@ -308,3 +308,29 @@ def test_reference_without_out_zero_fills(seed):
     assert torch.count_nonzero(ref[0, 3:]) == 0 and torch.count_nonzero(ref[1]) == 0
     torch.testing.assert_close(ref[0, :3].double(), direct_f64(a[0, :3], b[0]), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ref[2].double(), direct_f64(a[2], b[2]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cluster_n", (1, 2))
+@pytest.mark.parametrize("n", (120, 7168))
+def test_first_tile_guess_is_the_first_tile_when_every_expert_fits_one_m_block(cluster_n, n):
+    """The kernel's L2 warm-up guesses each CTA's first tile without masked_m
+    (MaskedTileScheduler.first_tile_guess, plain integer arithmetic, so it runs
+    here on ints). With every expert holding 1..tile_m rows the guess must be
+    the model's first tile for every CTA, and in range exactly when the CTA
+    has a first tile."""
+    from flashgemm.scheduler import MaskedTileScheduler
+
+    rng = random.Random(n * 10 + cluster_n)
+    tile_m, tile_n = 64, 64
+    for e_count in (1, 3, 8):
+        masked_m = [rng.randint(1, tile_m) for _ in range(e_count)]
+        n_blocks = cdiv(n, tile_n)
+        num_ctas = cluster_n * 66
+        order = tile_order(masked_m, 1024, n, tile_m, tile_n, num_ctas, cluster_n)
+        for c in range(num_ctas):
+            expert, n_block, in_range = MaskedTileScheduler.first_tile_guess(
+                c // cluster_n, c % cluster_n, n_blocks, e_count, cluster_n
+            )
+            assert bool(in_range) == bool(order[c]), (c, masked_m)
+            if order[c]:
+                assert (expert, 0, n_block) == order[c][0], (c, masked_m)
