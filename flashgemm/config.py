@@ -79,6 +79,10 @@ class GemmConfig:
     # guess is often an empty expert, 0.881-1.011. Twice the depth: fp8
     # qwen3-30b 1.058, the rest within 2%, so one ring it is.
     l2_warmup: bool = True
+    # Block-scaled fp8 only: two product accumulators per warpgroup, so the
+    # wgmma chain of k-tile t + 1 runs while k-tile t is promoted on the CUDA
+    # cores (mainloop.consume_tile_blockscaled). Costs tile_n / 2 registers.
+    promote_overlap: bool = False
 
     # ---- derived facts -------------------------------------------------
     @property
@@ -160,6 +164,13 @@ class GemmConfig:
             raise ValueError(
                 f"config.tile_n must be 64 for fp8 with 3 consumer warpgroups, got {self.tile_n}"
             )
+        if self.promote_overlap and elem_bytes != 1:
+            raise ValueError("config.promote_overlap applies to block-scaled fp8 operands only")
+        if self.promote_overlap and self.tile_n > 128:
+            # three accumulator sets: 3 * tile_n / 2 registers per thread
+            raise ValueError(
+                f"config.tile_n must be <= 128 with promote_overlap, got {self.tile_n}"
+            )
         if self.cluster_m != 1 or self.cluster_n not in (1, 2):
             raise ValueError(
                 f"config cluster shape ({self.cluster_m}, {self.cluster_n}) is not supported; "
@@ -188,7 +199,7 @@ class GemmConfig:
             f"s{self.resolved_stages(max(1, 128 // self.tile_k))}wg{self.consumer_warpgroups}"
             f"c{self.cluster_m}x{self.cluster_n}" + ("-l2hint" if self.l2_hints else "")
             + ("" if self.pdl else "-nopdl") + ("-dyn" if self.dynamic else "")
-            + ("" if self.l2_warmup else "-nowarm")
+            + ("" if self.l2_warmup else "-nowarm") + ("-po" if self.promote_overlap else "")
         )
 
 
@@ -231,8 +242,22 @@ _REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_192_CONFIG, MID_CONFIG,
 FP8_DECODE_CONFIG = GemmConfig(
     tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1, cluster_n=2, l2_hints=True, dynamic=True
 )
-FP8_MID_CONFIG = dataclasses.replace(MID_CONFIG, tile_k=128)
-FP8_MID_N64_CONFIG = dataclasses.replace(DECODE_128_CONFIG, tile_k=128, l2_hints=False)
+# The two-warpgroup fp8 tiles keep a second k-tile's wgmma in flight while
+# they promote (promote_overlap). Paired A/B on H100, 2026-11-24
+# (`ab_revision.py --set promote_overlap=1`, bit-identical outputs): uniform
+# prefill 0.917-0.949 (dsv3-prefill-gate_up 277.2 -> 252.3 us), dsv3-ep32
+# 0.971 / 0.973, qwen3-30b 0.959, qwen3-235b-ep8 0.990-0.995; skewed
+# 0.915-0.992. The 64x128 decode tile (one warpgroup) moved by -0.8% to
+# +0.5% and spills a few registers with it, so it keeps one product set.
+# Other widths re-measured against these (same method and day, uniform /
+# skewed routing): 128x64 instead of 128x128 on dsv3-ep32 and qwen3-235b-ep8
+# 1.013-1.178; 128x192 (one product set) won qwen3-30b before this change
+# (0.903, skewed 1.085, sparse 1.560) and lost elsewhere; 192x64 on three
+# warpgroups 1.066-1.200 on dsv3-ep32.
+FP8_MID_CONFIG = dataclasses.replace(MID_CONFIG, tile_k=128, promote_overlap=True)
+FP8_MID_N64_CONFIG = dataclasses.replace(
+    DECODE_128_CONFIG, tile_k=128, l2_hints=False, promote_overlap=True
+)
 _FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_MID_CONFIG, FP8_MID_N64_CONFIG) + tuple(
     dataclasses.replace(c, l2_hints=True) for c in (FP8_MID_CONFIG, FP8_MID_N64_CONFIG)
 )

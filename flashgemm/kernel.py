@@ -66,7 +66,9 @@ class MaskedGroupedGemmSm90:
       warp, or storing only the valid rows of partial ones. For block-scaled fp8 each
       k-tile is one 128-wide scale block: its products are promoted into the
       accumulators with the row's activation scale (which the producer loads
-      by TMA into the same ring slot as the operands) times the weight scale.
+      by TMA into the same ring slot as the operands) times the weight scale;
+      with ``config.promote_overlap`` the next k-tile's wgmma is already in
+      flight (a second product accumulator) while one k-tile is promoted.
 
     Pipelines: ``PipelineTmaAsync`` (producer -> consumers, one full/empty
     mbarrier pair per stage) for operands; named barrier 1 (consumers + store
@@ -528,9 +530,12 @@ class MaskedGroupedGemmSm90:
             tCrB = tiled_mma.make_fragment_B(tCsB)
             acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_mnk, (None, None, 0)))
             accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-            acc_block, rows = None, None
+            acc_blocks, rows = None, None
             if cutlass.const_expr(self.block_scaled):
-                acc_block = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                acc_blocks = tuple(
+                    cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                    for _ in range(2 if self.config.promote_overlap else 1)
+                )
                 # the two tile rows this thread's accumulators cover (value mode 1)
                 tCcC = thr_mma.partition_C(cute.make_identity_tensor(tile_mn))
                 rows = (tCcC[0][0], tCcC[2][0])
@@ -559,7 +564,7 @@ class MaskedGroupedGemmSm90:
             while work.is_valid:
                 if cutlass.const_expr(self.block_scaled):
                     read_state = consume_tile_blockscaled(
-                        ab_pipeline, read_state, tiled_mma, accumulators, acc_block,
+                        ab_pipeline, read_state, tiled_mma, accumulators, acc_blocks,
                         tCrA, tCrB, k_tile_cnt, sSFA, rows, mSFB_nkl,
                         work.expert, work.n_block, self.tile_mnk[1],
                     )

@@ -16,9 +16,9 @@ Block-scaled fp8 (``consume_tile_blockscaled``): a stage is one 128-wide scale
 block and also carries the tile's activation scales (one more TMA load into
 the same slot, counted in the same transaction bytes). Each k-tile's products
 are accumulated from zero, waited for, and promoted on the CUDA cores with the
-row's activation scale times the block's weight scale. Keeping a second k-tile
-in flight during the promotion (two product accumulators) was tried and was
-6-25% slower on H100 (docs/benchmarks.md).
+row's activation scale times the block's weight scale. ``promote_overlap``
+keeps a second k-tile's chain in flight during each promotion (two product
+accumulators); see ``GemmConfig`` for where that pays.
 
 Rows past ``max_m`` and columns past K are zero-filled by the TMA unit, so a
 partial m/k tile needs no special case here; rows between ``m_e`` and the end
@@ -120,7 +120,7 @@ def consume_tile_blockscaled(
     read_state: pipeline.PipelineState,
     tiled_mma: cute.TiledMma,
     accumulators: cute.Tensor,  # the tile's fp32 result, ((2, 2, BN/8), 1, 1) per thread
-    acc_block: cute.Tensor,  # one k-tile's raw fp8 products, same shape
+    acc_blocks: tuple,  # one or two tensors of one k-tile's raw fp8 products, same shape
     tCrA: cute.Tensor,
     tCrB: cute.Tensor,
     k_tile_cnt: Int32,
@@ -134,58 +134,127 @@ def consume_tile_blockscaled(
     """Accumulate one output tile over K with 1x128 / 128x128 block scales.
 
     One k-tile is one 128-wide scale block. Its wgmma chain accumulates into
-    ``acc_block`` from zero; once it retires (the slot is released right away)
-    the products are promoted into ``accumulators`` on the CUDA cores as
-    ``acc += acc_block * a_scale[row] * b_scale[n-block]``. The weight scale is
-    one value per (128-row block of N, k-block), the same for every thread: it
-    is loaded from global memory one k-tile ahead, so the load latency hides
-    behind the current k-tile's wait and wgmma.
+    a product accumulator from zero; once it retires (the slot is released
+    right away) the products are promoted into ``accumulators`` on the CUDA
+    cores as ``acc += products * a_scale[row] * b_scale[n-block]``. The weight
+    scale is one value per (128-row block of N, k-block), the same for every
+    thread: it is loaded from global memory one k-tile ahead, so the load
+    latency hides behind the current k-tile's wait and wgmma.
+
+    With one product accumulator each k-tile's wgmma is waited for before its
+    promotion. With two (``GemmConfig.promote_overlap``) the chain of k-tile
+    t + 1 is issued before k-tile t is waited for and promoted, so this
+    warpgroup's tensor work and its promotion overlap.
     """
-    num_k_blocks = cute.size(tCrA, mode=[2])
     n0 = n_block * tile_n
-    sfb_block0 = n0 // 128
-    # A tile that spans a 128-column boundary (tile_n = 192) needs the
-    # next block's scale for its upper columns; clamped at the last block.
-    straddles = cutlass.const_expr(128 % tile_n != 0)
-    last_sfb_block = cute.size(mSFB_nkl, mode=[0]) - 1
-    sfb_block1 = cutlass.min(sfb_block0 + 1, last_sfb_block)
+    # A tile that spans a 128-column boundary (tile_n = 192) needs the next
+    # block's scale for its upper columns (clamped at the last block), from
+    # tile column straddle_col on.
+    sfb_blocks = (n0 // 128,)
+    straddle_col = None
+    if cutlass.const_expr(128 % tile_n != 0):
+        sfb_blocks = (n0 // 128, cutlass.min(n0 // 128 + 1, cute.size(mSFB_nkl, mode=[0]) - 1))
+        straddle_col = (n0 // 128 + 1) * 128 - n0
     accumulators.fill(0.0)
-    next_b0 = mSFB_nkl[(sfb_block0, 0, expert)]
-    next_b1 = next_b0
-    if cutlass.const_expr(straddles):
-        next_b1 = mSFB_nkl[(sfb_block1, 0, expert)]
-    for k_tile in cutlass.range(k_tile_cnt, unroll=1):
-        sfb0 = next_b0
-        sfb1 = next_b1
-        k_next = cutlass.min(k_tile + 1, k_tile_cnt - 1)
-        next_b0 = mSFB_nkl[(sfb_block0, k_next, expert)]
-        if cutlass.const_expr(straddles):
-            next_b1 = mSFB_nkl[(sfb_block1, k_next, expert)]
-        acc_block.fill(0.0)
-        ab_pipeline.consumer_wait(read_state)
-        # The slot's activation scales are read, and multiplied by the weight
-        # scales, before the wgmma is issued: their shared-memory latency then
-        # hides behind the wgmma instead of sitting between its retirement and
-        # the promotion, when this warpgroup issues nothing to the tensor cores.
-        sfa0 = sSFA[(rows[0], 0, read_state.index)]
-        sfa1 = sSFA[(rows[1], 0, read_state.index)]
-        # scale[h][c]: row half h (accumulator value mode 1), weight-scale block c
-        scale = ((sfa0 * sfb0, sfa0 * sfb1), (sfa1 * sfb0, sfa1 * sfb1))
-        cute.nvgpu.warpgroup.fence()
-        for k_block in cutlass.range_constexpr(num_k_blocks):
-            coord = (None, None, k_block, read_state.index)
-            cute.gemm(tiled_mma, acc_block, tCrA[coord], tCrB[coord], acc_block)
-        cute.nvgpu.warpgroup.commit_group()
-        cute.nvgpu.warpgroup.wait_group(0)
-        ab_pipeline.consumer_release(read_state)
+    last_k = k_tile_cnt - 1
+    sfb = _weight_scales(mSFB_nkl, sfb_blocks, Int32(0), expert)
+    mma = (ab_pipeline, tiled_mma, tCrA, tCrB, sSFA, rows)
+
+    if cutlass.const_expr(len(acc_blocks) == 1):
+        for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+            # the next k-tile's weight scales load while this one runs
+            sfb_next = _weight_scales(mSFB_nkl, sfb_blocks, cutlass.min(k_tile + 1, last_k), expert)
+            scale = _issue_k_tile(mma, read_state, acc_blocks[0], sfb)
+            sfb = sfb_next
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(read_state)
+            read_state.advance()
+            _promote(accumulators, acc_blocks[0], scale, straddle_col)
+    else:
+        acc_a, acc_b = acc_blocks
+        release_state = read_state.clone()
+        # k-tile 0 goes into acc_a; each pass of the loop issues the two
+        # k-tiles after the one in flight (into acc_b, then acc_a) and
+        # promotes the one before each, so one chain is in flight while
+        # another is promoted.
+        sfb_next = _weight_scales(mSFB_nkl, sfb_blocks, cutlass.min(Int32(1), last_k), expert)
+        scale_a = _issue_k_tile(mma, read_state, acc_a, sfb)
+        sfb = sfb_next
         read_state.advance()
-        # value i of the wgmma accumulator fragment: column pair (i % 2),
-        # row half (i // 2 % 2), 8-column group (i // 4)
-        for i in cutlass.range_constexpr(cute.size(accumulators)):
-            half = (i // 2) % 2
-            s = scale[half][0]
-            if cutlass.const_expr(straddles):
-                col = (i // 4) * 8
-                s = cutlass.select_(n0 + col >= (sfb_block0 + 1) * 128, scale[half][1], scale[half][0])
-            accumulators[i] = accumulators[i] + acc_block[i] * s
+        scale_b = scale_a
+        for pair in cutlass.range((k_tile_cnt - 1) // 2, unroll=1):
+            k_tile = 2 * pair + 1
+            sfb_next = _weight_scales(mSFB_nkl, sfb_blocks, k_tile + 1, expert)
+            scale_b = _issue_k_tile(mma, read_state, acc_b, sfb)
+            read_state.advance()
+            cute.nvgpu.warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            _promote(accumulators, acc_a, scale_a, straddle_col)
+            sfb = _weight_scales(mSFB_nkl, sfb_blocks, cutlass.min(k_tile + 2, last_k), expert)
+            scale_a = _issue_k_tile(mma, read_state, acc_a, sfb_next)
+            read_state.advance()
+            cute.nvgpu.warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            _promote(accumulators, acc_b, scale_b, straddle_col)
+        # acc_a holds the last k-tile (odd count) or the one before it (even)
+        if k_tile_cnt % 2 == 0:
+            scale_b = _issue_k_tile(mma, read_state, acc_b, sfb)
+            read_state.advance()
+            cute.nvgpu.warpgroup.wait_group(1)
+            ab_pipeline.consumer_release(release_state)
+            release_state.advance()
+            _promote(accumulators, acc_a, scale_a, straddle_col)
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(release_state)
+            _promote(accumulators, acc_b, scale_b, straddle_col)
+        else:
+            cute.nvgpu.warpgroup.wait_group(0)
+            ab_pipeline.consumer_release(release_state)
+            _promote(accumulators, acc_a, scale_a, straddle_col)
     return read_state
+
+
+def _weight_scales(mSFB_nkl, sfb_blocks, k_tile, expert):
+    """The weight scales of k-tile ``k_tile`` for each 128-row block of N in
+    ``sfb_blocks`` (one, or two for a tile that straddles a block boundary)."""
+    first = mSFB_nkl[(sfb_blocks[0], k_tile, expert)]
+    return (first, mSFB_nkl[(sfb_blocks[1], k_tile, expert)] if len(sfb_blocks) > 1 else first)
+
+
+def _issue_k_tile(mma, state, acc, sfb):
+    """Wait for the slot of ``state``, issue its wgmma chain into ``acc`` (from
+    zero) and commit it. ``mma``: (pipeline, tiled_mma, tCrA, tCrB, sSFA,
+    this thread's two rows); ``sfb``: the k-tile's weight scales. Returns
+    scale[row half][weight-scale block] for the promotion."""
+    ab_pipeline, tiled_mma, tCrA, tCrB, sSFA, rows = mma
+    acc.fill(0.0)
+    ab_pipeline.consumer_wait(state)
+    # The slot's activation scales are read, and multiplied by the weight
+    # scales, before the wgmma is issued: their shared-memory latency then
+    # hides behind the wgmma instead of sitting between its retirement and
+    # the promotion, when this warpgroup issues nothing to the tensor cores.
+    sfa0 = sSFA[(rows[0], 0, state.index)]
+    sfa1 = sSFA[(rows[1], 0, state.index)]
+    scale = ((sfa0 * sfb[0], sfa0 * sfb[1]), (sfa1 * sfb[0], sfa1 * sfb[1]))
+    cute.nvgpu.warpgroup.fence()
+    # (plain Python loops: these helpers are traced inline, unrolled)
+    for k_block in range(cute.size(tCrA, mode=[2])):
+        coord = (None, None, k_block, state.index)
+        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+    cute.nvgpu.warpgroup.commit_group()
+    return scale
+
+
+def _promote(accumulators, acc, scale, straddle_col):
+    """accumulators += acc * scale. ``straddle_col``: None, or the first tile
+    column whose weight scale is the second block's (tile_n = 192)."""
+    # value i of the wgmma accumulator fragment: column pair (i % 2),
+    # row half (i // 2 % 2), 8-column group (i // 4)
+    for i in range(cute.size(accumulators)):
+        half = (i // 2) % 2
+        s = scale[half][0]
+        if straddle_col is not None:
+            s = cutlass.select_((i // 4) * 8 >= straddle_col, scale[half][1], scale[half][0])
+        accumulators[i] = accumulators[i] + acc[i] * s

@@ -57,6 +57,10 @@ def test_fp8_ptx(fp8_ptx_by_config, cfg):
     # promotion: fp32 FMAs on the CUDA cores; weight scales read from global
     assert "fma.rn.f32" in ptx and "ld.global" in ptx
     assert ".local" not in ptx
+    # promote_overlap: the next k-tile's chain is committed before this one's
+    # is waited for (wait_group 1); one product set waits for everything
+    waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx))
+    assert waits == ({"0", "1"} if cfg.promote_overlap else {"0"})
     assert {"wgmma", "fp8-wgmma", "tma-load", "tma-store"} <= set(ptx_features(ptx))
 
 
@@ -69,6 +73,10 @@ def test_fp8_config_rules():
         GemmConfig(tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1).validate(2)
     with pytest.raises(ValueError, match="<= 192 for fp8"):
         GemmConfig(tile_m=64, tile_n=256, tile_k=128, consumer_warpgroups=1).validate(1)
+    with pytest.raises(ValueError, match="promote_overlap applies to block-scaled fp8"):
+        GemmConfig(promote_overlap=True).validate(2)
+    with pytest.raises(ValueError, match="tile_n must be <= 128 with promote_overlap"):
+        GemmConfig(tile_n=192, tile_k=128, promote_overlap=True).validate(1)
     for cfg in FP8_HEURISTIC_CONFIGS:
         assert cfg.validate(1) is cfg and fg_compile.operand_dtype(cfg) == "fp8e4m3"
 

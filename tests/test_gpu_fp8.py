@@ -63,6 +63,9 @@ SHAPES = [
     (32, 96, 256, 512, "random"),
     (2, 1, 128, 128, [1, 0]),  # max_m = 1
     (5, 130, 272, 1040, [130, 129, 128, 64, 0]),  # N not a multiple of 128 or of the tile
+    # two and three k-tiles: promote_overlap's prologue and tails alone
+    (2, 70, 256, 256, [70, 33]),
+    (3, 64, 128, 384, [64, 1, 0]),
 ]
 
 CONFIGS = FP8_HEURISTIC_CONFIGS + (
