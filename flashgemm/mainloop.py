@@ -159,6 +159,7 @@ def consume_tile_blockscaled(
     last_k = k_tile_cnt - 1
     sfb = _weight_scales(mSFB_nkl, sfb_blocks, Int32(0), expert)
     mma = (ab_pipeline, tiled_mma, tCrA, tCrB, sSFA, rows)
+    promotion = (ab_pipeline, accumulators, straddle_col)
 
     if cutlass.const_expr(len(acc_blocks) == 1):
         for k_tile in cutlass.range(k_tile_cnt, unroll=1):
@@ -166,16 +167,14 @@ def consume_tile_blockscaled(
             sfb_next = _weight_scales(mSFB_nkl, sfb_blocks, cutlass.min(k_tile + 1, last_k), expert)
             scale = _issue_k_tile(mma, read_state, acc_blocks[0], sfb)
             sfb = sfb_next
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(read_state)
+            _retire_k_tile(promotion, read_state, acc_blocks[0], scale, 0)
             read_state.advance()
-            _promote(accumulators, acc_blocks[0], scale, straddle_col)
     else:
         acc_a, acc_b = acc_blocks
         release_state = read_state.clone()
         # k-tile 0 goes into acc_a; each pass of the loop issues the two
         # k-tiles after the one in flight (into acc_b, then acc_a) and
-        # promotes the one before each, so one chain is in flight while
+        # retires the one before each, so one chain is in flight while
         # another is promoted.
         sfb_next = _weight_scales(mSFB_nkl, sfb_blocks, cutlass.min(Int32(1), last_k), expert)
         scale_a = _issue_k_tile(mma, read_state, acc_a, sfb)
@@ -187,32 +186,22 @@ def consume_tile_blockscaled(
             sfb_next = _weight_scales(mSFB_nkl, sfb_blocks, k_tile + 1, expert)
             scale_b = _issue_k_tile(mma, read_state, acc_b, sfb)
             read_state.advance()
-            cute.nvgpu.warpgroup.wait_group(1)
-            ab_pipeline.consumer_release(release_state)
+            _retire_k_tile(promotion, release_state, acc_a, scale_a, 1)
             release_state.advance()
-            _promote(accumulators, acc_a, scale_a, straddle_col)
             sfb = _weight_scales(mSFB_nkl, sfb_blocks, cutlass.min(k_tile + 2, last_k), expert)
             scale_a = _issue_k_tile(mma, read_state, acc_a, sfb_next)
             read_state.advance()
-            cute.nvgpu.warpgroup.wait_group(1)
-            ab_pipeline.consumer_release(release_state)
+            _retire_k_tile(promotion, release_state, acc_b, scale_b, 1)
             release_state.advance()
-            _promote(accumulators, acc_b, scale_b, straddle_col)
         # acc_a holds the last k-tile (odd count) or the one before it (even)
         if k_tile_cnt % 2 == 0:
             scale_b = _issue_k_tile(mma, read_state, acc_b, sfb)
             read_state.advance()
-            cute.nvgpu.warpgroup.wait_group(1)
-            ab_pipeline.consumer_release(release_state)
+            _retire_k_tile(promotion, release_state, acc_a, scale_a, 1)
             release_state.advance()
-            _promote(accumulators, acc_a, scale_a, straddle_col)
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(release_state)
-            _promote(accumulators, acc_b, scale_b, straddle_col)
+            _retire_k_tile(promotion, release_state, acc_b, scale_b, 0)
         else:
-            cute.nvgpu.warpgroup.wait_group(0)
-            ab_pipeline.consumer_release(release_state)
-            _promote(accumulators, acc_a, scale_a, straddle_col)
+            _retire_k_tile(promotion, release_state, acc_a, scale_a, 0)
     return read_state
 
 
@@ -247,9 +236,15 @@ def _issue_k_tile(mma, state, acc, sfb):
     return scale
 
 
-def _promote(accumulators, acc, scale, straddle_col):
-    """accumulators += acc * scale. ``straddle_col``: None, or the first tile
-    column whose weight scale is the second block's (tile_n = 192)."""
+def _retire_k_tile(promotion, state, acc, scale, still_in_flight):
+    """Wait until at most ``still_in_flight`` wgmma groups are pending (the
+    oldest, ``acc``'s, has retired), give its slot ``state`` back to the
+    producer, and promote: accumulators += acc * scale. ``promotion``:
+    (pipeline, accumulators, straddle_col), where straddle_col is None or the
+    first tile column whose weight scale is the second block's (tile_n = 192)."""
+    ab_pipeline, accumulators, straddle_col = promotion
+    cute.nvgpu.warpgroup.wait_group(still_in_flight)
+    ab_pipeline.consumer_release(state)
     # value i of the wgmma accumulator fragment: column pair (i % 2),
     # row half (i // 2 % 2), 8-column group (i // 4)
     for i in range(cute.size(accumulators)):
