@@ -18,7 +18,7 @@ import torch
 
 from .launcher import _device_facts, grouped_gemm_nt_masked
 from .signals import SignalLayout, alloc_signals
-from .validation import _check_tensor
+from .validation import _FP8, _check_tensor, out_dtype
 
 DEFAULT_MAX_POLLS = 20_000_000  # with <= 256 ns back-off: ~5 s before giving up
 # 4-row items: on H100 (bench_overlap.py, combine on 20 SMs, two runs each)
@@ -132,9 +132,13 @@ def run_gemm_and_combine(
     out: Optional[torch.Tensor] = None,
     max_polls: int = DEFAULT_MAX_POLLS,
     rows_per_item: Optional[int] = None,
+    a_scale: Optional[torch.Tensor] = None,
+    b_scale: Optional[torch.Tensor] = None,
 ):
     """An MoE layer's GEMM with its combine overlapped: the combine runs on a
     side stream and ships each m-block as soon as the GEMM signals it.
+    Block-scaled fp8 operands take ``a_scale`` and ``b_scale`` as in
+    ``grouped_gemm_nt_masked`` (``out`` is then bf16).
     Returns (out, err); both streams are joined into the current one."""
     sm_count = _device_facts(a.device.index)[1]
     if combine_sms is None:
@@ -147,10 +151,10 @@ def run_gemm_and_combine(
     from .launcher import signal_layout
 
     layout = signal_layout(e_count, max_m, b.shape[1], a.shape[2], expected_m=expected_m,
-                           num_sms=gemm_sms, config=config)
+                           num_sms=gemm_sms, config=config, fp8=a.dtype == _FP8)
     signals = alloc_signals(layout, a.device)
     if out is None:
-        out = torch.empty((e_count, max_m, b.shape[1]), dtype=a.dtype, device=a.device)
+        out = torch.empty((e_count, max_m, b.shape[1]), dtype=out_dtype(a.dtype), device=a.device)
     main = torch.cuda.current_stream(a.device)
     side = _side_stream(a.device.index)
     ready = main.record_event()  # inputs and zeroed counters are ready
@@ -158,8 +162,8 @@ def run_gemm_and_combine(
     # GPU; the combine's CTAs then take the SMs left over. Combine first
     # scattered its CTAs over the GPCs, fewer GEMM clusters fit, and the
     # overlapped run took up to 2.4x the sequential one (H100, dsv3-ep32-down).
-    grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=expected_m, num_sms=gemm_sms,
-                           config=config, dst_signals=signals)
+    grouped_gemm_nt_masked(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, expected_m=expected_m,
+                           num_sms=gemm_sms, config=config, dst_signals=signals)
     side.wait_event(ready)
     with torch.cuda.stream(side):
         err = combine_masked(out, masked_m, signals, layout, token_idx, weight, combined,

@@ -14,7 +14,7 @@ overlap ratio are medians of the ratios within each round. Timed one after
 the other, the signal cost of one case had moved between -0.5% and +4.8%
 across runs (H100, 2026-11-23).
 
-    python scripts/bench_overlap.py [--cases ...] [--combine-sms 20 [28 ...]] [--top-k 8]
+    python scripts/bench_overlap.py [--cases ...] [--combine-sms 20 [28 ...]] [--top-k 8] [--dtype bf16 fp8]
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from bench import CASES_FILE, case_operands, draw_masked_m, paired_median, time_
 from flashgemm.overlap import combine_masked, run_gemm_and_combine  # noqa: E402
 
 
-def run_case(case, seed, combine_sms, reps, rounds, top_k, rows_per_item=None):
+def run_case(case, seed, combine_sms, reps, rounds, top_k, rows_per_item=None, fp8=False):
     e_count, max_m, n, k, em = case["E"], case["max_m"], case["N"], case["K"], case["expected_m"]
-    a, b, _, _ = case_operands(case, seed)
+    a, b, a_scale, b_scale = case_operands(case, seed, fp8)
+    scales = dict(a_scale=a_scale, b_scale=b_scale)
     masked_m = draw_masked_m(case, seed).cuda()
     out = torch.empty(e_count, max_m, n, device="cuda", dtype=torch.bfloat16)
     # The combine stands for a rank's receive side: each token sums the rows
@@ -51,14 +52,16 @@ def run_case(case, seed, combine_sms, reps, rounds, top_k, rows_per_item=None):
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     gemm_sms = sm_count - combine_sms
 
-    layout_full = flashgemm.signal_layout(e_count, max_m, n, k, expected_m=em)
+    layout_full = flashgemm.signal_layout(e_count, max_m, n, k, expected_m=em, fp8=fp8)
     sig_full = flashgemm.alloc_signals(layout_full, "cuda")
-    layout = flashgemm.signal_layout(e_count, max_m, n, k, expected_m=em, num_sms=gemm_sms)
+    layout = flashgemm.signal_layout(e_count, max_m, n, k, expected_m=em, num_sms=gemm_sms, fp8=fp8)
     sig = flashgemm.alloc_signals(layout, "cuda")
 
     def gemm_split():
         sig.zero_()
-        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em, num_sms=gemm_sms, dst_signals=sig)
+        flashgemm.grouped_gemm_nt_masked(
+            a, b, out, masked_m, expected_m=em, num_sms=gemm_sms, dst_signals=sig, **scales
+        )
 
     def sequential():
         gemm_split()
@@ -66,12 +69,12 @@ def run_case(case, seed, combine_sms, reps, rounds, top_k, rows_per_item=None):
                        rows_per_item=rows_per_item)
 
     timed = {
-        "gemm_us": lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em),
+        "gemm_us": lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em, **scales),
         # the in-kernel cost alone: the counters are not zeroed between calls
         # (the kernel only adds to them), so no memset kernel and no gap
         # between two graph nodes is counted as signal cost
         "gemm_signals_us": lambda: flashgemm.grouped_gemm_nt_masked(
-            a, b, out, masked_m, expected_m=em, dst_signals=sig_full
+            a, b, out, masked_m, expected_m=em, dst_signals=sig_full, **scales
         ),
         # the caller's zeroing of the counters, alone
         "memset_us": lambda: sig_full.zero_(),
@@ -86,11 +89,12 @@ def run_case(case, seed, combine_sms, reps, rounds, top_k, rows_per_item=None):
         # the two-stream fork/join is captured into the graph as well
         "overlapped_us": lambda: run_gemm_and_combine(
             a, b, masked_m, token_idx, weight, combined, gemm_sms=gemm_sms,
-            combine_sms=combine_sms, expected_m=em, out=out, rows_per_item=rows_per_item,
+            combine_sms=combine_sms, expected_m=em, out=out, rows_per_item=rows_per_item, **scales,
         ),
     }
     samples = dict(zip(timed, time_graph_rounds(list(timed.values()), rounds=rounds, reps=reps)))
-    r = {"case": case["name"], "combine_sms": combine_sms, "top_k": top_k, "tokens": num_tokens}
+    r = {"case": case["name"], "dtype": "fp8" if fp8 else "bf16", "combine_sms": combine_sms,
+         "top_k": top_k, "tokens": num_tokens}
     r.update({name: 1e3 * statistics.median(t) for name, t in samples.items()})
     # the two ratios are taken round by round (graphs timed minutes apart
     # drift by more than the effects measured), then their median
@@ -112,6 +116,8 @@ def main():
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--top-k", type=int, default=8, help="rows summed per token by the combine")
     p.add_argument("--rows-per-item", type=int, help="combine work item size (default: the package's)")
+    p.add_argument("--dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16"],
+                   help="GEMM operands (fp8: block-scaled e4m3, bf16 out)")
     p.add_argument("--json")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -119,15 +125,15 @@ def main():
     spec = json.load(open(CASES_FILE))
     cases = [c for c in spec["cases"] if c["regime"] == "decode" and (not args.cases or c["name"] in args.cases)]
     rows = []
-    for combine_sms in args.combine_sms:
+    for dtype, combine_sms in [(d, s) for d in args.dtype for s in args.combine_sms]:
         # seed = the case's place in the file, as in bench.py (same masked_m draws)
         part = [
             run_case(c, spec["cases"].index(c), combine_sms, args.reps, args.rounds, args.top_k,
-                     args.rows_per_item)
+                     args.rows_per_item, fp8=dtype == "fp8")
             for c in cases
         ]
         rows += part
-        print(f"Device: {torch.cuda.get_device_name()}; combine on {combine_sms} SMs, GEMM on the rest; "
+        print(f"Device: {torch.cuda.get_device_name()}; {dtype} GEMM; combine on {combine_sms} SMs, GEMM on the rest; "
               f"combine sums top-{args.top_k} rows per token ({part[0]['tokens']} tokens); "
               f"median of {args.rounds} interleaved rounds of {args.reps} graph replays; signal cost and "
               "overlap ratio: median of the per-round ratios")

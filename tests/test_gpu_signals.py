@@ -7,9 +7,10 @@ import torch
 
 import flashgemm
 from flashgemm.combine import ERR_BAD_TOKEN, ERR_TIMEOUT
-from flashgemm.config import DECODE_CONFIG, MID_CONFIG, GemmConfig
+from flashgemm.config import DECODE_CONFIG, FP8_DECODE_CONFIG, FP8_MID_CONFIG, MID_CONFIG, GemmConfig
 from flashgemm.overlap import combine_masked, run_gemm_and_combine
-from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error
+from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token
+from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error, similarity
 
 from conftest import requires_hopper
 
@@ -93,6 +94,42 @@ def test_overlapped_combine_never_reads_stale_rows(config, seed):
                 assert relative_error(out[e, :m].float(), gemm_ref[e, :m]) < 1e-2
         tiles += sum(-(-m // config.tile_m) for m in rows) * -(-n // config.tile_n)
     assert tiles > 2000
+
+
+@pytest.mark.parametrize("config", [FP8_DECODE_CONFIG, FP8_MID_CONFIG], ids=lambda c: c.short_name())
+def test_overlapped_combine_of_fp8_gemm(config, seed):
+    """The same overlap with block-scaled fp8 operands (bf16 out): the combine
+    sums only rows the GEMM has signalled, and the GEMM matches the fp32
+    reference on the dequantized inputs."""
+    e_count, max_m, n, k, num_tokens = 8, 192, 784, 896, 256  # 784: a partial n-tile
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    for it in range(6):
+        a, a_scale = quantize_fp8_per_token(torch.randn(e_count, max_m, k, device="cuda"))
+        b, b_scale = quantize_fp8_per_block(torch.randn(e_count, n, k, device="cuda") / k**0.5)
+        masked_m = torch.randint(0, max_m + 1, (e_count,), dtype=torch.int32, device="cuda")
+        masked_m[it % e_count] = 0
+        token_idx, weight = _routing(e_count, max_m, num_tokens)
+        out = torch.full((e_count, max_m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        combined = torch.zeros(num_tokens, n, device="cuda")
+        out, err = run_gemm_and_combine(
+            a, b, masked_m, token_idx, weight, combined, gemm_sms=sm_count - 16 - (it % 2) * 24,
+            config=config, out=out, a_scale=a_scale, b_scale=b_scale,
+        )
+        torch.cuda.synchronize()
+        assert int(err) == 0
+        assert not combined.isnan().any(), f"launch {it}: combine read rows before they were written"
+        ref = _reference_combine(out, masked_m, token_idx, weight, num_tokens)
+        assert relative_error(combined, ref) < 1e-5, f"launch {it}"
+        gemm_ref = grouped_gemm_nt_masked_ref(a, b, masked_m, a_scale=a_scale, b_scale=b_scale)
+        for e, m in enumerate(masked_m.tolist()):
+            if m:
+                assert similarity(out[e, :m].float(), gemm_ref[e, :m].float()) < 1e-3, f"expert {e}"
+    # without an explicit out the helper allocates the bf16 result
+    out, err = run_gemm_and_combine(
+        a, b, masked_m, token_idx, weight, combined, gemm_sms=sm_count - 16, config=config,
+        a_scale=a_scale, b_scale=b_scale,
+    )
+    assert out.dtype == torch.bfloat16 and out.shape == (e_count, max_m, n)
 
 
 def test_wait_times_out_instead_of_hanging(seed):
