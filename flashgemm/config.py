@@ -52,6 +52,9 @@ class GemmConfig:
     l2_warmup: with ``pdl``, each CTA prefetches into L2 the first ring's
         worth of weight k-tiles of its likely first tile before waiting for
         the previous kernel, so the weight stream starts during its tail.
+    promote_overlap: block-scaled fp8 only; each consumer warpgroup keeps two
+        product accumulators, so the next k-tile's wgmma runs while the
+        current one is scaled into the running sum (tile_n <= 128).
     """
 
     tile_m: int = 128
