@@ -243,6 +243,33 @@ class MaskedGroupedGemmSm90:
             use_pdl=self.config.pdl,
         )
 
+    def _start_walk(self, walk_args, feed, producer_claims=None):
+        """One role's copy of the tile walker, moved to its first unit
+        (``MaskedTileScheduler.create``'s arguments in ``walk_args``);
+        returns (walker, feed slots used)."""
+        sched = MaskedTileScheduler.create(*walk_args)
+        claims = Int32(0)
+        if cutlass.const_expr(self.config.dynamic):
+            claims = self._to_next_unit(sched, feed, claims, producer_claims)
+        return sched, claims
+
+    def _to_next_unit(self, sched, feed, claims, producer_claims=None):
+        """Move ``sched`` to this role's next unit; returns the feed slots
+        used so far. Static order: the cluster's next G-th unit. Dynamic: the
+        next claim, made by rank 0's producer warp (``producer_claims``: is
+        this the claimer, the counter) and read from the feed by every other
+        role. (Plain trace-time helpers: the DSL allows no closure inside the
+        staged role branches.)"""
+        if cutlass.const_expr(not self.config.dynamic):
+            sched.advance()
+            return claims
+        if producer_claims is None:
+            unit = feed.receive(claims)
+        else:
+            unit = producer_next_unit(feed, claims, *producer_claims)
+        sched.jump(unit)
+        return claims + 1
+
     @cute.jit
     def _warm_l2_weights(
         self, tma_atom_b, tBgB, cluster, cta_rank, num_n_blocks, num_experts, k_tile_cnt
@@ -422,20 +449,18 @@ class MaskedGroupedGemmSm90:
         # claimed, and the walker starts from unit 0
         sched_block = 0 if self.config.dynamic else bidx
         # Each role (producer, store warp, consumers) walks its own copy of
-        # the scheduler below; all read the same masked_m. (A shared helper
-        # closure is not allowed by the DSL inside staged branches.)
+        # the scheduler (``_start_walk`` / ``_to_next_unit``); all read the
+        # same masked_m and, with the dynamic order, the same claims.
+        walk_args = (
+            mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], sched_block, gdim,
+            self.cluster_n, cta_rank,
+        )
+        producer_claims = (cta_rank == 0, mCounter)  # the producer's claimer flag and counter
 
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                sched = MaskedTileScheduler.create(
-                    mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], sched_block, gdim,
-                    self.cluster_n, cta_rank,
-                )
-                claims = Int32(0)  # dynamic: feed slots used so far
-                if cutlass.const_expr(self.config.dynamic):
-                    sched.jump(producer_next_unit(feed, claims, cta_rank == 0, mCounter))
-                    claims += 1
+                sched, claims = self._start_walk(walk_args, feed, producer_claims)
                 work = sched.work()
                 producer_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
@@ -459,11 +484,7 @@ class MaskedGroupedGemmSm90:
                         tma_atom_b, tBgB_k, tBsB, k_tile_cnt, policy_a, policy_b, a_mcast_mask,
                         tma_atom_sfa, tSFAgSFA_k, tSFAsSFA,
                     )
-                    if cutlass.const_expr(self.config.dynamic):
-                        sched.jump(producer_next_unit(feed, claims, cta_rank == 0, mCounter))
-                        claims += 1
-                    else:
-                        sched.advance()
+                    claims = self._to_next_unit(sched, feed, claims, producer_claims)
                     work = sched.work()
                 if cutlass.const_expr(self.config.dynamic):
                     if cta_rank == 0:
@@ -486,14 +507,7 @@ class MaskedGroupedGemmSm90:
                     sD, tma_atom_d, gD_tma, tile_mn, self.epi_tile,
                     cute.arch.lane_idx() == 0, epi_barrier,
                 )
-                sched = MaskedTileScheduler.create(
-                    mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], sched_block, gdim,
-                    self.cluster_n, cta_rank,
-                )
-                claims = Int32(0)
-                if cutlass.const_expr(self.config.dynamic):
-                    sched.jump(feed.receive(claims))
-                    claims += 1
+                sched, claims = self._start_walk(walk_args, feed)
                 work = sched.work()
                 sig_state = None
                 if cutlass.const_expr(sig_pipeline is not None):
@@ -510,11 +524,7 @@ class MaskedGroupedGemmSm90:
                         work.expert, work.m_block, work.n_block, work.valid_rows,
                         index, mSignals, sig_pipeline, sig_state,
                     )
-                    if cutlass.const_expr(self.config.dynamic):
-                        sched.jump(feed.receive(claims))
-                        claims += 1
-                    else:
-                        sched.advance()
+                    claims = self._to_next_unit(sched, feed, claims)
                     work = sched.work()
                 storer.tail()
                 if cutlass.const_expr(self.trace):
@@ -544,14 +554,7 @@ class MaskedGroupedGemmSm90:
                 tiled_mma, accumulators, sD, gD_mem, tile_mn, self.out_dtype, consumer_tidx,
                 epi_barrier, consumer_barrier, self.epi_tile,
             )
-            sched = MaskedTileScheduler.create(
-                mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], sched_block, gdim,
-                self.cluster_n, cta_rank,
-            )
-            claims = Int32(0)
-            if cutlass.const_expr(self.config.dynamic):
-                sched.jump(feed.receive(claims))
-                claims += 1
+            sched, claims = self._start_walk(walk_args, feed)
             work = sched.work()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -584,11 +587,7 @@ class MaskedGroupedGemmSm90:
                     if consumer_tidx == 0 and tile_count < tr.MAX_TILES:
                         mSignals[trace_base + tr.TILE0 + 2 * tile_count + 1] = cute.arch.globaltimer_lo()
                 tile_count += 1
-                if cutlass.const_expr(self.config.dynamic):
-                    sched.jump(feed.receive(claims))
-                    claims += 1
-                else:
-                    sched.advance()
+                claims = self._to_next_unit(sched, feed, claims)
                 work = sched.work()
             if cutlass.const_expr(self.trace):
                 if consumer_tidx == 0:
