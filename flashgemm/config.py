@@ -55,6 +55,10 @@ class GemmConfig:
     promote_overlap: block-scaled fp8 only; each consumer warpgroup keeps two
         product accumulators, so the next k-tile's wgmma runs while the
         current one is scaled into the running sum (tile_n <= 128).
+    balance_rounds: static order only; when the units (counted on the
+        device) would leave the grid's last round at most half full, fewer
+        clusters take them, in the same number of full rounds
+        (``scheduler.active_clusters``).
     """
 
     tile_m: int = 128
@@ -86,6 +90,9 @@ class GemmConfig:
     # wgmma chain of k-tile t + 1 runs while k-tile t is promoted on the CUDA
     # cores (mainloop.consume_tile_blockscaled). Costs tile_n / 2 registers.
     promote_overlap: bool = False
+    # Static order only: spread a last round that is at most half full over
+    # the earlier rounds (scheduler.active_clusters has the measurements).
+    balance_rounds: bool = False
 
     # ---- derived facts -------------------------------------------------
     @property
@@ -174,6 +181,11 @@ class GemmConfig:
             raise ValueError(
                 f"config.tile_n must be <= 128 with promote_overlap, got {self.tile_n}"
             )
+        if self.balance_rounds and self.dynamic:
+            raise ValueError(
+                "config.balance_rounds applies to the static order; a dynamic config "
+                "(config.dynamic=True) already gives late clusters fewer units"
+            )
         if self.cluster_m != 1 or self.cluster_n not in (1, 2):
             raise ValueError(
                 f"config cluster shape ({self.cluster_m}, {self.cluster_n}) is not supported; "
@@ -203,6 +215,7 @@ class GemmConfig:
             f"c{self.cluster_m}x{self.cluster_n}" + ("-l2hint" if self.l2_hints else "")
             + ("" if self.pdl else "-nopdl") + ("-dyn" if self.dynamic else "")
             + ("" if self.l2_warmup else "-nowarm") + ("-po" if self.promote_overlap else "")
+            + ("-bal" if self.balance_rounds else "")
         )
 
 
@@ -224,6 +237,13 @@ class GemmConfig:
 # skewed 0.967 / 0.946. Fewer units per cluster pay the first claim's round
 # trip without that gain (qwen3-30b, 1.5-3 units: 1.04-1.06), so the other
 # tiles keep the static order.
+# The 128x128 tile (fp8 from expected_m 49 up) also balances its rounds
+# (balance_rounds): its experts span one or two m-blocks, so the unit count,
+# and with it the last round, moves with masked_m. Paired A/B against the
+# same kernel without it (H100, 2026-11-24, `ab_revision.py --base`): fp8
+# dsv3-ep32-down 0.968 uniform / 0.964 skewed, the other 128x128 cases
+# 0.996-1.010. The other tiles gained nothing there (bf16 0.969-1.018, fp8
+# 128x64 0.980-1.020) and keep the count off their start.
 DECODE_CONFIG = GemmConfig(
     tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2, l2_hints=True, dynamic=True
 )
@@ -235,7 +255,9 @@ DECODE_128_CONFIG = GemmConfig(
 MID_192_CONFIG = GemmConfig(
     tile_m=192, tile_n=64, consumer_warpgroups=3, cluster_n=2, l2_hints=True
 )
-MID_CONFIG = GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n=2)
+MID_CONFIG = GemmConfig(
+    tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n=2, balance_rounds=True
+)
 PREFILL_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, cluster_n=2)
 _REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_192_CONFIG, MID_CONFIG, PREFILL_CONFIG)
 

@@ -156,6 +156,8 @@ class MaskedGroupedGemmSm90:
             "sD": cute.struct.Align[cute.struct.MemRange[out, d_size], 1024],
             "sSFA": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, sfa_size], 128],
         }
+        if self.config.balance_rounds:  # the producer's count of active clusters
+            fields["active"] = cute.struct.MemRange[Int32, 1]
         if self.config.dynamic:
             fields["feed_mbar"] = cute.struct.MemRange[cutlass.Int64, 2 * FEED_STAGES]
             fields["feed_slots"] = cute.struct.Align[cute.struct.MemRange[Int32, FEED_STAGES], 16]
@@ -243,12 +245,28 @@ class MaskedGroupedGemmSm90:
             use_pdl=self.config.pdl,
         )
 
-    def _start_walk(self, walk_args, feed, producer_claims=None):
+    def _start_walk(self, walk_args, feed, producer_claims=None, balance=None):
         """One role's copy of the tile walker, moved to its first unit
         (``MaskedTileScheduler.create``'s arguments in ``walk_args``);
-        returns (walker, feed slots used)."""
+        returns (walker, feed slots used). ``balance`` (with
+        ``config.balance_rounds``): (shared slot, named barrier); the
+        producer warp (the role with ``producer_claims``) counts the active
+        clusters and publishes them, the other roles wait for them."""
+        lane_m = None
+        if cutlass.const_expr(balance is not None and producer_claims is not None):
+            lane_m = MaskedTileScheduler.lane_masked_m(walk_args[0], walk_args[1])
         sched = MaskedTileScheduler.create(*walk_args)
         claims = Int32(0)
+        if cutlass.const_expr(balance is not None):
+            slot, barrier = balance
+            if cutlass.const_expr(producer_claims is not None):
+                active = sched.count_active_clusters(lane_m)
+                slot[0] = active  # (every lane stores the same value)
+                barrier.arrive()  # never waits: the first loads go out now
+                sched.keep_active(active)
+            else:
+                barrier.arrive_and_wait()
+                sched.keep_active(slot[0])
         if cutlass.const_expr(self.config.dynamic):
             claims = self._to_next_unit(sched, feed, claims, producer_claims)
         return sched, claims
@@ -456,11 +474,19 @@ class MaskedGroupedGemmSm90:
             self.cluster_n, cta_rank,
         )
         producer_claims = (cta_rank == 0, mCounter)  # the producer's claimer flag and counter
+        balance = None
+        if cutlass.const_expr(self.config.balance_rounds):
+            # named barrier 3: the producer warp publishes the active cluster
+            # count to the store warp and the consumers
+            balance = (
+                storage.active.get_tensor(cute.make_layout(1)),
+                pipeline.NamedBarrier(barrier_id=3, num_threads=64 + self.num_consumer_threads),
+            )
 
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp_idx == 0:
-                sched, claims = self._start_walk(walk_args, feed, producer_claims)
+                sched, claims = self._start_walk(walk_args, feed, producer_claims, balance)
                 work = sched.work()
                 producer_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, self.stages
@@ -507,7 +533,7 @@ class MaskedGroupedGemmSm90:
                     sD, tma_atom_d, gD_tma, tile_mn, self.epi_tile,
                     cute.arch.lane_idx() == 0, epi_barrier,
                 )
-                sched, claims = self._start_walk(walk_args, feed)
+                sched, claims = self._start_walk(walk_args, feed, None, balance)
                 work = sched.work()
                 sig_state = None
                 if cutlass.const_expr(sig_pipeline is not None):
@@ -554,7 +580,7 @@ class MaskedGroupedGemmSm90:
                 tiled_mma, accumulators, sD, gD_mem, tile_mn, self.out_dtype, consumer_tidx,
                 epi_barrier, consumer_barrier, self.epi_tile,
             )
-            sched, claims = self._start_walk(walk_args, feed)
+            sched, claims = self._start_walk(walk_args, feed, None, balance)
             work = sched.work()
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)

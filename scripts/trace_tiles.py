@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench import CASES_FILE, draw_masked_m  # noqa: E402
 
 
-def trace_case(case, seed, fp8):
+def trace_case(case, seed, fp8, num_sms=None):
     e, max_m, n, k = case["E"], case["max_m"], case["N"], case["K"]
     masked_m = draw_masked_m(case, seed).cuda()
     a = torch.randn(e, max_m, k, device="cuda", dtype=torch.bfloat16)
@@ -47,10 +47,11 @@ def trace_case(case, seed, fp8):
         a, sa = quantize_fp8_per_token(a)
         b, sb = quantize_fp8_per_block(b)
     out = torch.empty(e, max_m, n, device="cuda", dtype=torch.bfloat16)
-    # the heuristic's choice for this call; the plan (grid size) is made for it
+    # the heuristic's choice for the whole GPU; the plan (grid size) is made
+    # for it, capped at num_sms when given
     cfg = choose_config(case["expected_m"], max_m, n, k,
                         torch.cuda.get_device_properties(0).multi_processor_count, fp8, e)
-    plan = _make_plan(a, b, out, masked_m, sa, sb, case["expected_m"], None, cfg, None, "m_block")
+    plan = _make_plan(a, b, out, masked_m, sa, sb, case["expected_m"], num_sms, cfg, None, "m_block")
     fn = fg_compile.build(cfg, "fp8e4m3" if fp8 else "bf16", trace=True)
     buf = torch.zeros(plan.num_ctas * trace.SLOTS, dtype=torch.int32, device="cuda")
     counter = _claim_counter(torch.cuda.current_device()) if cfg.dynamic else None
@@ -103,13 +104,14 @@ def main():
     p.add_argument("--cases", nargs="*", help="case names (default: the decode cases)")
     p.add_argument("--dtype", choices=["bf16", "fp8", "both"], default="both")
     p.add_argument("--json", help="write the raw timelines here")
+    p.add_argument("--num-sms", type=int, help="cap the grid (as the call's num_sms), same config")
     args = p.parse_args()
     spec = json.load(open(CASES_FILE))
     cases = [c for c in spec["cases"] if (c["name"] in args.cases if args.cases else c["regime"] == "decode")]
     raw = {}
     for fp8 in {"bf16": [False], "fp8": [True], "both": [False, True]}[args.dtype]:
         for case in cases:
-            cfg, event_us, t = trace_case(case, spec["cases"].index(case), fp8)
+            cfg, event_us, t = trace_case(case, spec["cases"].index(case), fp8, args.num_sms)
             s = summarize(t)
             name = f"{case['name']} {'fp8' if fp8 else 'bf16'}"
             print(f"{name}: {cfg.short_name()}")

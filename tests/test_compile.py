@@ -33,6 +33,15 @@ def test_ptx_has_hopper_features(ptx_by_config, cfg):
     # no register spills to local memory
     assert ".local" not in ptx
     assert set(ptx_features(ptx)) == {"wgmma", "tma-load", "tma-store", "setmaxnreg", "stmatrix"}
+    _check_balance_ptx(ptx, cfg)
+
+
+def _check_balance_ptx(ptx, cfg):
+    # balance_rounds: one warp (the producer) counts the units with a warp
+    # reduction and hands the result over on named barrier 3
+    reductions = re.findall(r"redux\.sync\.add\.s32", ptx)
+    assert len(reductions) == (1 if cfg.balance_rounds else 0)
+    assert bool(re.search(r"bar(rier)?\.sync(\.aligned)?\s+3,", ptx)) == cfg.balance_rounds
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +71,7 @@ def test_fp8_ptx(fp8_ptx_by_config, cfg):
     waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx))
     assert waits == ({"0", "1"} if cfg.promote_overlap else {"0"})
     assert {"wgmma", "fp8-wgmma", "tma-load", "tma-store"} <= set(ptx_features(ptx))
+    _check_balance_ptx(ptx, cfg)
 
 
 def test_fp8_config_rules():
@@ -79,6 +89,16 @@ def test_fp8_config_rules():
         GemmConfig(tile_n=192, tile_k=128, promote_overlap=True).validate(1)
     for cfg in FP8_HEURISTIC_CONFIGS:
         assert cfg.validate(1) is cfg and fg_compile.operand_dtype(cfg) == "fp8e4m3"
+
+
+def test_balance_rounds_is_static_order_only():
+    from flashgemm.config import GemmConfig
+
+    with pytest.raises(ValueError, match="balance_rounds applies to the static order"):
+        GemmConfig(dynamic=True, balance_rounds=True).validate()
+    # the heuristic balances its 128x128 tiles (bf16 and fp8), nothing else
+    for cfg in HEURISTIC_CONFIGS + FP8_HEURISTIC_CONFIGS:
+        assert cfg.balance_rounds == (cfg.tile_m == cfg.tile_n == 128), cfg.short_name()
 
 
 def test_cache_compiles_once_per_key():
@@ -162,9 +182,9 @@ def test_pdl_waits_before_any_global_access(cfg, dtype, mode):
 @pytest.mark.parametrize(
     "cfg, dtype",
     [
-        (dataclasses.replace(HEURISTIC_CONFIGS[1], dynamic=True), "bf16"),  # 2-CTA cluster
-        (dataclasses.replace(HEURISTIC_CONFIGS[3], dynamic=True, cluster_n=1), "bf16"),
-        (dataclasses.replace(FP8_HEURISTIC_CONFIGS[1], dynamic=True), "fp8e4m3"),
+        (dataclasses.replace(HEURISTIC_CONFIGS[1], dynamic=True, balance_rounds=False), "bf16"),  # 2-CTA cluster
+        (dataclasses.replace(HEURISTIC_CONFIGS[3], dynamic=True, balance_rounds=False, cluster_n=1), "bf16"),
+        (dataclasses.replace(FP8_HEURISTIC_CONFIGS[1], dynamic=True, balance_rounds=False), "fp8e4m3"),
     ],
     ids=["bf16-cluster2", "bf16-cluster1", "fp8-cluster2"],
 )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flashgemm.reference import grouped_gemm_nt_masked_ref
-from flashgemm.scheduler import tile_order, valid_tiles
+from flashgemm.scheduler import active_clusters, tile_order, valid_tiles
 
 MAX_MS = (1, 63, 64, 65, 200, 1024)
 NS = (8, 120, 128, 136, 4096)
@@ -166,7 +166,8 @@ def test_tile_order_all_empty():
 class WalkerModel:
     """MaskedTileScheduler in plain Python integers (same state, same steps)."""
 
-    def __init__(self, masked_m, max_m, num_n_blocks, tile_m, block_idx, grid_size, cluster_n=1, cta_rank=0):
+    def __init__(self, masked_m, max_m, num_n_blocks, tile_m, block_idx, grid_size, cluster_n=1, cta_rank=0,
+                 balance=False):
         self.masked_m = masked_m
         self.num_experts = len(masked_m)
         self.max_m = max_m
@@ -180,6 +181,12 @@ class WalkerModel:
         self.tiles_before = 0
         self.expert_tiles = self._tiles_of(0)
         self._seek()
+        if balance:  # the producer's count_active_clusters, then keep_active
+            units = sum(self._tiles_of(e) for e in range(self.num_experts))
+            active = active_clusters(units, self.num_ctas)
+            if self.linear_idx >= active:
+                self.expert = self.num_experts
+            self.num_ctas = active
 
     def _rows_of(self, e):
         in_range = e < self.num_experts
@@ -213,12 +220,12 @@ class WalkerModel:
         self._seek()
 
 
-def walk(masked_m, max_m, n, tile_m, tile_n, num_ctas, cluster_n=1, keep_clipped=False):
+def walk(masked_m, max_m, n, tile_m, tile_n, num_ctas, cluster_n=1, keep_clipped=False, balance=False):
     """Run the walker model for every CTA of the grid, as the kernel does."""
     n_blocks = cdiv(n, tile_n)
     per_cta = []
     for c in range(num_ctas):
-        w = WalkerModel(masked_m, max_m, n_blocks, tile_m, c, num_ctas, cluster_n, c % cluster_n)
+        w = WalkerModel(masked_m, max_m, n_blocks, tile_m, c, num_ctas, cluster_n, c % cluster_n, balance)
         tiles = []
         e, mb, nb, valid_rows, ok = w.work()
         while ok:
@@ -257,6 +264,53 @@ def test_walker_matches_tile_order_clusters(chunk):
             assert len(full[c]) == len(full[c + 1])
             for t0, t1 in zip(full[c], full[c + 1]):
                 assert t0[:2] == t1[:2] and t1[2] == t0[2] + 1 and t0[2] % 2 == 0
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_balanced_walker_matches_tile_order_and_keeps_the_round_count(chunk):
+    """balance_rounds: the walker (with the producer's count) is the model;
+    every valid tile runs once; no cluster runs more units than the plain
+    round-robin's busiest (the same number of rounds); and when the plain
+    order's last round is at most half full, ceil(units / rounds) clusters
+    take them."""
+    triggered = 0
+    for case in CASES[chunk::4][:80]:
+        masked_m, max_m, n, tile_m, tile_n, num_ctas = case
+        for cluster_n in (1, 2):
+            grid = cluster_n * max(1, num_ctas // cluster_n)
+            args = (masked_m, max_m, n, tile_m, tile_n, grid)
+            order = tile_order(*args, cluster_n=cluster_n, balance=True)
+            assert walk(*args, cluster_n=cluster_n, balance=True) == order, case_id(case)
+            got = Counter(t for cta in order for t in cta)
+            assert all(c == 1 for c in got.values()), case_id(case)
+            assert set(got) == valid_tiles(masked_m, max_m, n, tile_m, tile_n), case_id(case)
+            plain = walk(*args, cluster_n=cluster_n, keep_clipped=True)
+            balanced = walk(*args, cluster_n=cluster_n, keep_clipped=True, balance=True)
+            units = sum(len(t) for t in plain[::cluster_n])
+            clusters = grid // cluster_n
+            if units == 0:
+                continue
+            rounds = cdiv(units, clusters)
+            assert max(len(t) for t in balanced) == max(len(t) for t in plain) == rounds
+            busy = sum(1 for t in balanced[::cluster_n] if t)
+            last = units - (rounds - 1) * clusters
+            if rounds > 1 and 2 * last <= clusters:
+                # (with many rounds the spread can still need every cluster)
+                assert busy == cdiv(units, rounds) <= clusters, case_id(case)
+                triggered += busy < clusters
+            else:
+                assert busy == min(units, clusters), case_id(case)
+    assert triggered >= 2  # the draw really exercises the cut (4-9 per chunk)
+
+
+def test_active_clusters_by_hand():
+    assert active_clusters(280, 66) == 56  # fp8 dsv3-ep32-down: 4 full rounds + 16 -> 5 x 56
+    assert active_clusters(192, 66) == 66  # last round 60 of 66: kept
+    assert active_clusters(67, 66) == 34  # 66 + 1 -> 2 x 34 (33 + 34 units)
+    assert active_clusters(99, 66) == 50  # last round 33: exactly half, cut
+    assert active_clusters(100, 66) == 66  # 34: over half, kept
+    assert active_clusters(10, 66) == 10  # one round: the same clusters work either way
+    assert active_clusters(0, 66) == 0
 
 
 def test_walker_empty_experts_and_guard():

@@ -19,7 +19,7 @@ def _counts_from_schedule(masked_m, max_m, n, cfg, granularity, num_ctas=14):
     """Signal values implied by the scheduler model: one add per stored tile."""
     layout = make_signal_layout(granularity, max_m, n, cfg.tile_m, cfg.tile_n, len(masked_m))
     counts = Counter()
-    for cta in tile_order(masked_m, max_m, n, cfg.tile_m, cfg.tile_n, num_ctas, cfg.cluster_n):
+    for cta in tile_order(masked_m, max_m, n, cfg.tile_m, cfg.tile_n, num_ctas, cfg.cluster_n, cfg.balance_rounds):
         for e, mb, nb in cta:
             counts[layout.index(e, mb)] += 1
     return layout, torch.tensor([counts[i] for i in range(layout.size)], dtype=torch.int32)
