@@ -118,6 +118,12 @@ class GemmConfig:
         """Clusters a persistent grid capped at num_sms runs at once (at least 1)."""
         return max(1, num_sms // self.cluster_n)
 
+    def grid_clusters(self, num_experts: int, max_m: int, n: int, num_sms: int) -> int:
+        """Clusters the launcher starts: capped at num_sms, and never more
+        than the units of work every expert at max_m rows would make."""
+        max_units = num_experts * -(-max_m // self.tile_m) * self.n_groups(n)
+        return max(1, min(num_sms // self.cluster_n, max_units))
+
     def stage_bytes(self, elem_bytes: int = 2) -> int:
         operands = (self.tile_m + self.tile_n) * self.tile_k * elem_bytes
         if elem_bytes == 1:  # block-scaled fp8: the tile's fp32 row scales ride along

@@ -76,7 +76,11 @@ class MaskedGroupedGemmSm90:
     whose reuse the store warp guards with ``cp.async.bulk.wait_group.read``;
     with signals, ``PipelineAsync`` (consumers -> store warp, ``SIGNAL_STAGES``
     mbarrier pairs) hands over each partial tile the consumers stored themselves,
-    so the store warp can publish it while they move on. The
+    so the store warp can publish it while they move on. With
+    ``config.balance_rounds``, named barrier 3 (producer warp, store warp,
+    consumers, once per launch) hands the producer's count of active clusters
+    to the other roles; the producer only arrives, so its first loads never
+    wait on it. The
     producer runs ahead into the next tile while the consumers are in the
     epilogue, so loads overlap stores.
 

@@ -350,8 +350,7 @@ def _make_plan(
         check_granularity(signal_granularity)
 
     # Persistent grid: never more clusters than units of work could use.
-    max_units = e_count * -(-max_m // config.tile_m) * config.n_groups(n)
-    num_ctas = cn * max(1, min(grid_cap // cn, max_units))
+    num_ctas = cn * config.grid_clusters(e_count, max_m, n, grid_cap)
 
     from .compile import get_kernel
 

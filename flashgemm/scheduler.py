@@ -255,11 +255,9 @@ class MaskedTileScheduler:
         l + 32, ..., one warp reduction adds them; ``lane_m``: expert l's
         masked_m from ``lane_masked_m``)."""
         lane = cute.arch.lane_idx()
-        rows = cutlass.max(cutlass.min(lane_m, self.max_m), Int32(0))
-        rows = cutlass.select_(lane < self.num_experts, rows, Int32(0))
-        m_blocks = (rows + (self.tile_m - 1)) // self.tile_m
+        m_blocks = self._m_blocks(self._clamped_rows(lane, lane_m))
         for i in cutlass.range(1, (self.num_experts - lane + 31) // 32, unroll=1):
-            m_blocks += (self._rows_of(lane + 32 * i) + (self.tile_m - 1)) // self.tile_m
+            m_blocks += self._m_blocks(self._rows_of(lane + 32 * i))
         units = cute.arch.warp_redux_sync(m_blocks, "add") * self.num_n_blocks
         return active_clusters(units, self.num_ctas)
 
@@ -270,16 +268,20 @@ class MaskedTileScheduler:
         self.num_ctas = active
 
     def _rows_of(self, e: Int32) -> Int32:
-        # masked_m is data: clamp on the device, and never read past E.
-        in_range = e < self.num_experts
-        e_safe = cutlass.min(e, self.num_experts - 1)
-        m = Int32(self.mMaskedM[e_safe])
+        # masked_m is data: never read past E.
+        return self._clamped_rows(e, Int32(self.mMaskedM[cutlass.min(e, self.num_experts - 1)]))
+
+    def _clamped_rows(self, e: Int32, m: Int32) -> Int32:
+        """Valid rows of expert ``e`` given its masked_m value ``m``: clamped
+        into [0, max_m] on the device, 0 for an index past E."""
         m = cutlass.max(cutlass.min(m, self.max_m), Int32(0))
-        return cutlass.select_(in_range, m, Int32(0))
+        return cutlass.select_(e < self.num_experts, m, Int32(0))
+
+    def _m_blocks(self, rows: Int32) -> Int32:
+        return (rows + (self.tile_m - 1)) // self.tile_m
 
     def _tiles_of(self, e: Int32) -> Int32:
-        rows = self._rows_of(e)
-        return ((rows + (self.tile_m - 1)) // self.tile_m) * self.num_n_blocks
+        return self._m_blocks(self._rows_of(e)) * self.num_n_blocks
 
     @cute.jit
     def _seek(self):
