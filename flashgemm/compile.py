@@ -152,7 +152,8 @@ def build(
 ):
     """Compile one kernel (no caching). Returns the TVM-FFI callable
     ``fn(a, b, out, masked_m, signals, a_scale, b_scale, counter, num_ctas)``
-    (the scales are None for 16-bit operands; ``counter``, an int32 (2,)
+    (``signals`` is None without a ``signal_mode``; the scales are None for
+    16-bit operands; ``counter``, an int32 (2,)
     workspace that is zero between launches, only for ``config.dynamic``,
     else None); with ``keep_ptx`` its
     ``__ptx__`` holds the generated PTX. ``signal_mode``: None, "m_block" or
@@ -169,6 +170,10 @@ def build(
     config.validate(ab_t.width // 8, out_t.width // 8)
     gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, signal_mode, trace=trace)
     a, b, d, masked_m, signals, sfa, sfb = _fake_args(ab_t, out_t)
+    if signal_mode is None and not trace:
+        # no signals tensor to pass: each tensor argument costs the call a
+        # DLPack conversion and its checks (about 0.25 us on the H100 host)
+        signals = None
     counter = None
     if config.dynamic:
         counter = cute.runtime.make_fake_tensor(cutlass.Int32, (CLAIM_COUNTER_INTS,), (1,), assumed_align=4)

@@ -59,6 +59,9 @@ class GemmConfig:
         device) would leave the grid's last round at most half full, fewer
         clusters take them, in the same number of full rounds
         (``scheduler.active_clusters``).
+    n_major: units numbered n-group first (``scheduler.NMajorTileScheduler``),
+        so every round holds a slice of every expert instead of one or two
+        whole experts.
     """
 
     tile_m: int = 128
@@ -93,6 +96,18 @@ class GemmConfig:
     # Static order only: spread a last round that is at most half full over
     # the earlier rounds (scheduler.active_clusters has the measurements).
     balance_rounds: bool = False
+    n_major: bool = False
+
+    def __post_init__(self):
+        # The launcher hashes the config into its plan key on every call; the
+        # generated hash (a tuple of all 13 fields) cost 0.2-0.36 us of a
+        # 2-3 us call on the development CPU, so it is computed once.
+        object.__setattr__(
+            self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
 
     # ---- derived facts -------------------------------------------------
     @property
@@ -221,7 +236,7 @@ class GemmConfig:
             f"c{self.cluster_m}x{self.cluster_n}" + ("-l2hint" if self.l2_hints else "")
             + ("" if self.pdl else "-nopdl") + ("-dyn" if self.dynamic else "")
             + ("" if self.l2_warmup else "-nowarm") + ("-po" if self.promote_overlap else "")
-            + ("-bal" if self.balance_rounds else "")
+            + ("-bal" if self.balance_rounds else "") + ("-nmaj" if self.n_major else "")
         )
 
 
@@ -285,13 +300,34 @@ FP8_DECODE_CONFIG = GemmConfig(
 # 1.013-1.178; 128x192 (one product set) won qwen3-30b before this change
 # (0.903, skewed 1.085, sparse 1.560) and lost elsewhere; 192x64 on three
 # warpgroups 1.066-1.200 on dsv3-ep32.
-FP8_MID_CONFIG = dataclasses.replace(MID_CONFIG, tile_k=128, promote_overlap=True)
+# Up to expected_m 256 both two-warpgroup fp8 tiles number their units
+# n-group first (n_major), so every round mixes experts of one and two
+# m-blocks. Paired A/B on H100, 2026-11-24 (`ab_revision.py --set n_major=1
+# --dtype fp8`, bit-identical outputs), uniform / skewed / sparse routing:
+# dsv3-ep32-down 0.925-0.928 / 0.963-0.966 / 0.938, qwen3-30b (128x64)
+# 0.929-0.931 / 0.921-0.931 / 0.888, dsv3-ep32-gate_up 1.004-1.005 / 0.853-
+# 0.867 / 0.965, qwen3-235b-ep8 0.989-0.999 / 0.953-1.002 / 0.870-0.955.
+# Prefill keeps the expert-major order: uniform dsv3-prefill 1.018 / 1.020
+# (dense-like 0.981), though skewed prefill gained (0.943-0.979). The
+# one-warpgroup fp8 decode tile (dsv3-ep8: 1.006-1.028) and the bf16 tiles
+# (dsv3-ep8-gate_up 1.132 / 1.235, dsv3-ep32-gate_up 1.053-1.055,
+# qwen3-235b-ep8-gate_up 1.035-1.058; qwen3-30b 0.939-1.000) lost with it.
+# A call with completion signals keeps the expert-major order: in the
+# n-group-major one every expert's last tile comes at the end of the launch,
+# so a combine waiting on the signals has nothing to ship until then (fp8,
+# combine on 20 SMs, `bench_overlap.py`: overlapped / longer alone went from
+# 1.043-1.220x to 1.156-1.687x, dsv3-ep32-down 1.687x). In an MoE layer only
+# the down projection is followed by the combine; gate_up gets n_major.
+FP8_MID_CONFIG = dataclasses.replace(MID_CONFIG, tile_k=128, promote_overlap=True, n_major=True)
 FP8_MID_N64_CONFIG = dataclasses.replace(
-    DECODE_128_CONFIG, tile_k=128, l2_hints=False, promote_overlap=True
+    DECODE_128_CONFIG, tile_k=128, l2_hints=False, promote_overlap=True, n_major=True
 )
-_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_MID_CONFIG, FP8_MID_N64_CONFIG) + tuple(
-    dataclasses.replace(c, l2_hints=True) for c in (FP8_MID_CONFIG, FP8_MID_N64_CONFIG)
+FP8_PREFILL_CONFIG = dataclasses.replace(FP8_MID_CONFIG, n_major=False)
+_FP8_MID_TILES = tuple(
+    dataclasses.replace(c, l2_hints=hints, n_major=n_major)
+    for c in (FP8_MID_CONFIG, FP8_MID_N64_CONFIG) for hints in (False, True) for n_major in (True, False)
 )
+_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG,) + _FP8_MID_TILES  # (FP8_PREFILL_CONFIG among them)
 
 
 def _with_single_cta(configs):
@@ -321,8 +357,11 @@ def choose_config(
     num_sms: int,
     fp8: bool = False,
     num_experts: Optional[int] = None,
+    signals: bool = False,
 ) -> GemmConfig:
     """Pick a configuration from host-side facts only (never reads masked_m).
+    ``signals``: the call publishes completion signals (the fp8 mid tiles then
+    keep the expert-major order, so experts finish one after another).
 
     From the config sweeps of scripts/bench.py on H100 (2026-11-22, CUDA-graph
     timings, docs/benchmarks.md):
@@ -374,7 +413,7 @@ def choose_config(
     """
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     if fp8:
-        cfg = FP8_DECODE_CONFIG if m <= 48 else FP8_MID_CONFIG
+        cfg = FP8_DECODE_CONFIG if m <= 48 else FP8_MID_CONFIG if m <= 256 else FP8_PREFILL_CONFIG
         if cfg is FP8_MID_CONFIG and m <= 256 and num_experts:
             wide = wave_efficiency(FP8_MID_CONFIG, num_experts, m, n, num_sms)
             narrow = wave_efficiency(FP8_MID_N64_CONFIG, num_experts, m, n, num_sms)
@@ -389,6 +428,8 @@ def choose_config(
             # one round of the grid, so the second read of a weight tile comes
             # while the first is still in L2.
             cfg = dataclasses.replace(cfg, l2_hints=True)
+        if signals and cfg.n_major:
+            cfg = dataclasses.replace(cfg, n_major=False)
     elif m <= 48:
         cfg = DECODE_CONFIG
     elif m <= 96:

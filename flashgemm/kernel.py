@@ -16,7 +16,7 @@ from .config import EPI_STAGES, GemmConfig
 from .dynamic_scheduler import FEED_STAGES, TileFeed, producer_next_unit, reader_warps
 from .epilogue import SIGNAL_STAGES, TileEpilogue, TileStorer
 from .mainloop import consume_tile, consume_tile_blockscaled, produce_tile
-from .scheduler import MaskedTileScheduler
+from .scheduler import MaskedTileScheduler, NMajorTileScheduler, active_clusters
 from . import trace as tr
 
 # Register split (setmaxnreg): the producer warpgroup only walks the scheduler
@@ -80,7 +80,8 @@ class MaskedGroupedGemmSm90:
     ``config.balance_rounds``, named barrier 3 (producer warp, store warp,
     consumers, once per launch) hands the producer's count of active clusters
     to the other roles; the producer only arrives, so its first loads never
-    wait on it. The
+    wait on it. With ``config.n_major`` every role counts the m-blocks itself
+    (its walker needs them) and there is no barrier 3. The
     producer runs ahead into the next tile while the consumers are in the
     epilogue, so loads overlap stores.
 
@@ -160,8 +161,8 @@ class MaskedGroupedGemmSm90:
             "sD": cute.struct.Align[cute.struct.MemRange[out, d_size], 1024],
             "sSFA": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, sfa_size], 128],
         }
-        if self.config.balance_rounds:  # the producer's count of active clusters
-            fields["active"] = cute.struct.MemRange[Int32, 1]
+        if self.config.balance_rounds and not self.config.n_major:
+            fields["active"] = cute.struct.MemRange[Int32, 1]  # the producer's count
         if self.config.dynamic:
             fields["feed_mbar"] = cute.struct.MemRange[cutlass.Int64, 2 * FEED_STAGES]
             fields["feed_slots"] = cute.struct.Align[cute.struct.MemRange[Int32, FEED_STAGES], 16]
@@ -174,7 +175,7 @@ class MaskedGroupedGemmSm90:
         mB: cute.Tensor,  # (E, N, K), K contiguous
         mD: cute.Tensor,  # (E, max_m, N), N contiguous
         mMaskedM: cute.Tensor,  # (E,) int32
-        mSignals: cute.Tensor,  # int32 counters (unused when signal_mode is None)
+        mSignals: cute.Tensor,  # int32 counters, or the trace buffer; None without either
         mSFA: cute.Tensor,  # fp8: (E, max_m, ceil(K/128)) fp32, M contiguous; else None
         mSFB: cute.Tensor,  # fp8: (E, ceil(N/128), ceil(K/128)) fp32; else None
         mCounter: cute.Tensor,  # dynamic: (2,) int32 claim counter, zero between launches; else None
@@ -253,24 +254,31 @@ class MaskedGroupedGemmSm90:
         """One role's copy of the tile walker, moved to its first unit
         (``MaskedTileScheduler.create``'s arguments in ``walk_args``);
         returns (walker, feed slots used). ``balance`` (with
-        ``config.balance_rounds``): (shared slot, named barrier); the
-        producer warp (the role with ``producer_claims``) counts the active
-        clusters and publishes them, the other roles wait for them."""
-        lane_m = None
-        if cutlass.const_expr(balance is not None and producer_claims is not None):
-            lane_m = MaskedTileScheduler.lane_masked_m(walk_args[0], walk_args[1])
-        sched = MaskedTileScheduler.create(*walk_args)
+        ``config.balance_rounds`` in the expert-major order): (shared slot,
+        named barrier); the producer warp (the role with ``producer_claims``)
+        counts the active clusters and publishes them, the other roles wait
+        for them. The n-major walker counts the m-blocks in every role
+        anyway, so each role cuts its own grid."""
+        if cutlass.const_expr(self.config.n_major):
+            sched = NMajorTileScheduler.create(*walk_args)
+            if cutlass.const_expr(self.config.balance_rounds):
+                sched.keep_active(active_clusters(sched.units(), sched.num_ctas))
+        else:
+            lane_m = None
+            if cutlass.const_expr(balance is not None and producer_claims is not None):
+                lane_m = MaskedTileScheduler.lane_masked_m(walk_args[0], walk_args[1])
+            sched = MaskedTileScheduler.create(*walk_args)
+            if cutlass.const_expr(balance is not None):
+                slot, barrier = balance
+                if cutlass.const_expr(producer_claims is not None):
+                    active = sched.count_active_clusters(lane_m)
+                    slot[0] = active  # (every lane stores the same value)
+                    barrier.arrive()  # never waits: the first loads go out now
+                    sched.keep_active(active)
+                else:
+                    barrier.arrive_and_wait()
+                    sched.keep_active(slot[0])
         claims = Int32(0)
-        if cutlass.const_expr(balance is not None):
-            slot, barrier = balance
-            if cutlass.const_expr(producer_claims is not None):
-                active = sched.count_active_clusters(lane_m)
-                slot[0] = active  # (every lane stores the same value)
-                barrier.arrive()  # never waits: the first loads go out now
-                sched.keep_active(active)
-            else:
-                barrier.arrive_and_wait()
-                sched.keep_active(slot[0])
         if cutlass.const_expr(self.config.dynamic):
             claims = self._to_next_unit(sched, feed, claims, producer_claims)
         return sched, claims
@@ -307,7 +315,8 @@ class MaskedGroupedGemmSm90:
         exact for the decode tiles where m_e fits one m-block. A wrong guess
         costs at most ``stages`` k-tiles of reads per CTA.
         """
-        expert, n_block, in_range = MaskedTileScheduler.first_tile_guess(
+        walker = NMajorTileScheduler if self.config.n_major else MaskedTileScheduler
+        expert, n_block, in_range = walker.first_tile_guess(
             cluster, cta_rank, num_n_blocks, num_experts, self.cluster_n
         )
         if in_range:
@@ -479,7 +488,7 @@ class MaskedGroupedGemmSm90:
         )
         producer_claims = (cta_rank == 0, mCounter)  # the producer's claimer flag and counter
         balance = None
-        if cutlass.const_expr(self.config.balance_rounds):
+        if cutlass.const_expr(self.config.balance_rounds and not self.config.n_major):
             # named barrier 3: the producer warp publishes the active cluster
             # count to the store warp and the consumers
             balance = (

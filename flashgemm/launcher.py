@@ -85,13 +85,6 @@ def _prepare_graph_counters(index: int) -> None:
         _GRAPH_POOLS[index] = (pool, 0)
 
 
-@functools.lru_cache(maxsize=None)
-def _unused_signals(index: int) -> torch.Tensor:
-    # the compiled signature always takes a counter tensor; without signals
-    # the kernel never touches this one
-    return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
-
-
 def _default_sms() -> int:
     # signal_layout() without num_sms: the call will use every SM of the current GPU
     if torch.cuda.is_available():
@@ -99,14 +92,16 @@ def _default_sms() -> int:
     return 1 << 30
 
 
-def _resolve_config(config, expected_m, max_m, n, k, grid_cap, fp8=False, num_experts=None) -> GemmConfig:
+def _resolve_config(
+    config, expected_m, max_m, n, k, grid_cap, fp8=False, num_experts=None, signals=False
+) -> GemmConfig:
     if expected_m is not None:
         if isinstance(expected_m, bool) or not isinstance(expected_m, int):
             raise TypeError(f"expected_m must be an int or None, got {type(expected_m).__name__}")
         if expected_m < 0:
             raise ValueError(f"expected_m must be >= 0, got {expected_m}")
     if config is None:
-        return choose_config(expected_m, max_m, n, k, grid_cap, fp8, num_experts)
+        return choose_config(expected_m, max_m, n, k, grid_cap, fp8, num_experts, signals)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(config).__name__}")
     return _validated(config, 1 if fp8 else 2)
@@ -129,7 +124,7 @@ def signal_layout(
     (None: every SM of the current GPU; the fp8 heuristic weighs how full the
     grid's last round of tiles is); ``fp8`` for float8_e4m3fn operands."""
     cfg = _resolve_config(
-        config, expected_m, max_m, n, k, num_sms if num_sms else _default_sms(), fp8, num_experts
+        config, expected_m, max_m, n, k, num_sms if num_sms else _default_sms(), fp8, num_experts, True
     )
     return make_signal_layout(signal_granularity, max_m, n, cfg.tile_m, cfg.tile_n, num_experts)
 
@@ -254,7 +249,7 @@ class _LaunchPlan:
 
     __slots__ = (
         "fn", "num_ctas", "layout", "out_shape", "out_dtype", "copy_a_scale",
-        "aligned", "written", "extents", "unused_signals", "last_ok", "counter_device",
+        "aligned", "written", "extents", "last_ok", "counter_device",
     )
 
     def __init__(self, **kw):
@@ -309,8 +304,7 @@ class _LaunchPlan:
         # launch. (Checking the current device here cost 0.6 us per call on the
         # H100 machine's CPU.)
         self.fn(
-            a, b, out, masked_m, self.unused_signals if dst_signals is None else dst_signals,
-            a_scale, b_scale,
+            a, b, out, masked_m, dst_signals, a_scale, b_scale,
             None if self.counter_device is None else _claim_counter(self.counter_device),
             self.num_ctas,
         )
@@ -336,7 +330,9 @@ def _make_plan(
         {"a": a, "b": b, "out": out, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale},
         num_sms, capability, sm_count, name,
     )
-    config = _resolve_config(config, expected_m, max_m, n, k, grid_cap, fp8, e_count)
+    config = _resolve_config(
+        config, expected_m, max_m, n, k, grid_cap, fp8, e_count, signals=dst_signals is not None
+    )
     cn = config.cluster_n
     if grid_cap < cn:
         raise ValueError(f"config.cluster_n={cn} needs num_sms >= {cn}, got {grid_cap}")
@@ -368,7 +364,6 @@ def _make_plan(
         out_shape=(e_count, max_m, n),
         out_dtype=d_dtype,
         copy_a_scale=copy_a_scale,
-        unused_signals=_unused_signals(index) if dst_signals is None else None,
         counter_device=index if config.dynamic else None,
         **_pointer_rules((a, b, masked_m, out, a_scale, b_scale, dst_signals), copy_a_scale),
     )

@@ -27,7 +27,11 @@ the cost is O(E) loads of masked_m per CTA over the whole kernel, never a host
 sync. The producer warp and the consumer warpgroups each run their own copy;
 both read the same masked_m, so they see the same sequence.
 
-``tile_order`` is the pure-Python model of exactly this rule; the tests check
+With ``GemmConfig.n_major`` the units are numbered n-group first instead
+(:class:`NMajorTileScheduler`), so each round mixes every expert; the same
+dealing, balancing and claiming apply to that numbering.
+
+``tile_order`` is the pure-Python model of exactly these rules; the tests check
 the kernel's invariants against it.
 """
 
@@ -82,21 +86,22 @@ def tile_order(
     num_ctas: int,
     cluster_n: int = 1,
     balance: bool = False,
+    n_major: bool = False,
 ) -> List[List[Tuple[int, int, int]]]:
     """Model of the device scheduler: the (expert, m_block, n_block) list of each CTA.
 
     With ``cluster_n`` > 1, ``num_ctas`` must be a multiple of it; tiles whose
     n-block lies past N (computed, never stored) are left out. ``balance``:
-    ``GemmConfig.balance_rounds``.
+    ``GemmConfig.balance_rounds``; ``n_major``: ``GemmConfig.n_major`` (units
+    numbered n-group first, :class:`NMajorTileScheduler`).
     """
     n_blocks = -(-n // tile_n)
     n_groups = -(-n_blocks // cluster_n)
-    units: List[Tuple[int, int, int]] = []
-    for e, m in enumerate(masked_m):
-        rows = clamp_rows(m, max_m)
-        for ng in range(n_groups):
-            for mb in range(-(-rows // tile_m)):
-                units.append((e, mb, ng))
+    m_blocks = [-(-clamp_rows(m, max_m) // tile_m) for m in masked_m]
+    if n_major:
+        units = [(e, mb, ng) for ng in range(n_groups) for e, mbs in enumerate(m_blocks) for mb in range(mbs)]
+    else:
+        units = [(e, mb, ng) for e, mbs in enumerate(m_blocks) for ng in range(n_groups) for mb in range(mbs)]
     num_clusters = num_ctas // cluster_n
     if balance:
         num_clusters = active_clusters(len(units), num_clusters)
@@ -149,7 +154,25 @@ class WorkTile:
         return WorkTile(*new_from_mlir_values(self._fields(), values))
 
 
-class MaskedTileScheduler:
+class _ExpertRows:
+    """Row arithmetic both walkers share (they hold ``mMaskedM``,
+    ``num_experts``, ``max_m`` and ``tile_m``)."""
+
+    def _rows_of(self, e: Int32) -> Int32:
+        # masked_m is data: never read past E.
+        return self._clamped_rows(e, Int32(self.mMaskedM[cutlass.min(e, self.num_experts - 1)]))
+
+    def _clamped_rows(self, e: Int32, m: Int32) -> Int32:
+        """Valid rows of expert ``e`` given its masked_m value ``m``: clamped
+        into [0, max_m] on the device, 0 for an index past E."""
+        m = cutlass.max(cutlass.min(m, self.max_m), Int32(0))
+        return cutlass.select_(e < self.num_experts, m, Int32(0))
+
+    def _m_blocks(self, rows: Int32) -> Int32:
+        return (rows + (self.tile_m - 1)) // self.tile_m
+
+
+class MaskedTileScheduler(_ExpertRows):
     """Device-side walker over the valid tiles of the masked layout.
 
     Loop-carried state (4 Int32): this cluster's next linear unit index, the
@@ -267,19 +290,6 @@ class MaskedTileScheduler:
         self.expert = cutlass.select_(self.linear_idx < active, self.expert, self.num_experts)
         self.num_ctas = active
 
-    def _rows_of(self, e: Int32) -> Int32:
-        # masked_m is data: never read past E.
-        return self._clamped_rows(e, Int32(self.mMaskedM[cutlass.min(e, self.num_experts - 1)]))
-
-    def _clamped_rows(self, e: Int32, m: Int32) -> Int32:
-        """Valid rows of expert ``e`` given its masked_m value ``m``: clamped
-        into [0, max_m] on the device, 0 for an index past E."""
-        m = cutlass.max(cutlass.min(m, self.max_m), Int32(0))
-        return cutlass.select_(e < self.num_experts, m, Int32(0))
-
-    def _m_blocks(self, rows: Int32) -> Int32:
-        return (rows + (self.tile_m - 1)) // self.tile_m
-
     def _tiles_of(self, e: Int32) -> Int32:
         return self._m_blocks(self._rows_of(e)) * self.num_n_blocks
 
@@ -320,3 +330,158 @@ class MaskedTileScheduler:
         dynamic order's next claim."""
         self.linear_idx = unit
         self._seek()
+
+
+class NMajorTileScheduler(_ExpertRows):
+    """Device-side walker for ``GemmConfig.n_major``: units numbered n-group
+    first, u = n_group * M + r, where M is the launch's m-block count
+    (sum over experts of ceil(m_e / tile_m)) and r numbers the (expert,
+    m_block) pairs expert-major, m fastest.
+
+    Why: in the expert-major order a round of G consecutive units holds one
+    or two experts, so when some experts span two m-blocks (whose CTAs share
+    each weight tile through L2) and others one, rounds alternate between
+    bound by HBM (every CTA streams its own weights) and bound by the tensor
+    cores (pairs share them). Trace of fp8 dsv3-ep32-down (H100, 2026-11-24,
+    ``trace_tiles.py --json``): three rounds of single-m-block experts at
+    10.0-11.7 us per tile, then two of paired m-blocks at 7.1-7.6 us. Here
+    every round holds a slice of every expert, so both kinds run at once.
+    The m-blocks of one (expert, n-group) stay adjacent: they still run in
+    the same round and share the weight tile.
+
+    Finding the expert of r is warp-collective (every lane of the calling
+    warp must be here, as in every role of the kernel): lane l holds expert
+    l's m-block count (and l + 32, ... in later chunks of 32), one inclusive
+    scan gives the prefix sums, and the expert is the number of lanes whose
+    prefix is <= r. No loop-carried expert state: each step is one masked_m
+    load per lane (an L1 hit after the first) per chunk of 32 experts.
+    """
+
+    def __init__(
+        self,
+        mMaskedM: cute.Tensor,
+        num_experts: Int32,
+        max_m: Int32,
+        num_n_groups: Int32,
+        tile_m: int,
+        num_clusters: Int32,
+        cluster_n: int,
+        cta_rank: Int32,
+        linear_idx: Int32,
+        m_total: Int32,
+    ):
+        self.mMaskedM = mMaskedM
+        self.num_experts = num_experts
+        self.max_m = max_m
+        self.num_n_blocks = num_n_groups  # (named as in MaskedTileScheduler)
+        self.tile_m = tile_m
+        self.num_ctas = num_clusters
+        self.cluster_n = cluster_n
+        self.cta_rank = cta_rank
+        self.linear_idx = linear_idx
+        self.m_total = m_total
+
+    def __extract_mlir_values__(self):
+        return extract_mlir_values([self.linear_idx])
+
+    def __new_from_mlir_values__(self, values):
+        (li,) = new_from_mlir_values([self.linear_idx], values)
+        return NMajorTileScheduler(
+            self.mMaskedM, self.num_experts, self.max_m, self.num_n_blocks, self.tile_m,
+            self.num_ctas, self.cluster_n, self.cta_rank, li, self.m_total,
+        )
+
+    @staticmethod
+    def first_tile_guess(
+        cluster: Int32, cta_rank: Int32, num_n_blocks: Int32, num_experts: Int32, cluster_n: int
+    ):
+        """As ``MaskedTileScheduler.first_tile_guess``, in this order: with
+        one m-block per expert, unit c is expert c % E of n-group c // E."""
+        num_n_groups = _n_groups(num_n_blocks, cluster_n)
+        n_group = cluster // num_experts
+        expert = cluster - n_group * num_experts
+        n_block = n_group * cluster_n + cta_rank
+        return expert, n_block, (n_group < num_n_groups) & (n_block < num_n_blocks)
+
+    @staticmethod
+    def create(
+        mMaskedM: cute.Tensor,
+        num_experts: Int32,
+        max_m: Int32,
+        num_n_blocks: Int32,
+        tile_m: int,
+        block_idx: Int32,
+        grid_size: Int32,
+        cluster_n: int = 1,
+        cta_rank: Int32 = 0,
+    ) -> "NMajorTileScheduler":
+        """Same arguments as ``MaskedTileScheduler.create``; counts M."""
+        sched = NMajorTileScheduler(
+            mMaskedM, num_experts, max_m, _n_groups(num_n_blocks, cluster_n), tile_m,
+            grid_size // cluster_n, cluster_n, Int32(cta_rank), Int32(block_idx // cluster_n), Int32(0),
+        )
+        sched.m_total = sched._count_m_blocks()
+        return sched
+
+    @cute.jit
+    def _count_m_blocks(self) -> Int32:
+        m_total = Int32(0)
+        for base in cutlass.range(0, self.num_experts, 32, unroll=1):
+            _, blocks = self._lane_blocks(base)
+            m_total += cute.arch.warp_redux_sync(blocks, "add")
+        return m_total
+
+    def units(self) -> Int32:
+        return self.m_total * self.num_n_blocks
+
+    def keep_active(self, active: Int32):
+        """``MaskedTileScheduler.keep_active``: stride ``active``; a cluster
+        at or past it gets no unit."""
+        self.linear_idx = cutlass.select_(self.linear_idx < active, self.linear_idx, self.units())
+        self.num_ctas = active
+
+    def _lane_blocks(self, base: Int32):
+        """(rows, m-blocks) of expert ``base + lane`` (0 past E)."""
+        rows = self._rows_of(base + cute.arch.lane_idx())
+        return rows, self._m_blocks(rows)
+
+    @cute.jit
+    def work(self) -> WorkTile:
+        units = self.units()
+        is_valid = self.linear_idx < units
+        u = cutlass.min(self.linear_idx, cutlass.max(units - 1, Int32(0)))
+        n_group = u // cutlass.max(self.m_total, Int32(1))
+        r = u - n_group * self.m_total  # (expert, m_block) index, expert-major
+        lane = cute.arch.lane_idx()
+        expert = Int32(0)
+        m_block = Int32(0)
+        rows = Int32(0)
+        base = Int32(0)
+        searching = is_valid
+        while searching:
+            lane_rows, blocks = self._lane_blocks(base)
+            incl = blocks  # inclusive prefix sum over the chunk's lanes
+            for d in (1, 2, 4, 8, 16):
+                up = cute.arch.shuffle_sync_up(incl, d)
+                incl = incl + cutlass.select_(lane >= d, up, Int32(0))
+            chunk_total = cute.arch.shuffle_sync(incl, 31)
+            if r < chunk_total:
+                e_in = cute.arch.popc(cute.arch.vote_ballot_sync(incl <= r))
+                expert = base + e_in
+                m_block = r - cute.arch.shuffle_sync(incl - blocks, e_in)
+                rows = cute.arch.shuffle_sync(lane_rows, e_in)
+                searching = False
+            else:
+                r = r - chunk_total
+                base = base + 32
+                searching = base < self.num_experts
+        valid_rows = cutlass.min(rows - m_block * self.tile_m, Int32(self.tile_m))
+        n_block = n_group * self.cluster_n + self.cta_rank
+        return WorkTile(expert, m_block, n_block, valid_rows, is_valid)
+
+    def advance(self):
+        self.linear_idx = self.linear_idx + self.num_ctas
+
+    def jump(self, unit: Int32):
+        """The dynamic order's next claim."""
+        self.linear_idx = unit

@@ -45,30 +45,31 @@ from bench import (  # noqa: E402
 )
 
 
-def tree_config(case, fp8, changes):
+def tree_config(case, fp8, changes, num_sms=None):
     """The working tree's heuristic config for a case with ``changes`` applied
     (None: no changes, let the call choose)."""
     if not changes:
         return None
     cfg = flashgemm.choose_config(
         case["expected_m"], case["max_m"], case["N"], case["K"],
-        torch.cuda.get_device_properties(0).multi_processor_count, fp8, case["E"],
+        num_sms or torch.cuda.get_device_properties(0).multi_processor_count, fp8, case["E"],
     )
     return dataclasses.replace(cfg, **changes)
 
 
-def compare_case(base, case, seed, fp8, dist, rounds, reps, changes=None):
+def compare_case(base, case, seed, fp8, dist, rounds, reps, changes=None, num_sms=None):
     e, max_m, n, em = case["E"], case["max_m"], case["N"], case["expected_m"]
     masked_m = draw_masked_m(case, seed, dist).cuda()
     a, b, a_scale, b_scale = case_operands(case, seed, fp8)
     outs = [torch.full((e, max_m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    cfg = tree_config(case, fp8, changes)
+    cfg = tree_config(case, fp8, changes, num_sms)
     fns = [
         lambda: flashgemm.grouped_gemm_nt_masked(
-            a, b, outs[0], masked_m, expected_m=em, a_scale=a_scale, b_scale=b_scale, config=cfg
+            a, b, outs[0], masked_m, expected_m=em, a_scale=a_scale, b_scale=b_scale, config=cfg,
+            num_sms=num_sms,
         ),
         lambda: base.grouped_gemm_nt_masked(
-            a, b, outs[1], masked_m, expected_m=em, a_scale=a_scale, b_scale=b_scale
+            a, b, outs[1], masked_m, expected_m=em, a_scale=a_scale, b_scale=b_scale, num_sms=num_sms
         ),
     ]
     for f in fns:
@@ -93,6 +94,7 @@ def main():
     p.add_argument("--dist", nargs="+", choices=DISTRIBUTIONS, default=["uniform"])
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--num-sms", type=int, help="num_sms for both sides' calls (default: every SM)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ab_revision.py needs a CUDA GPU")
@@ -115,7 +117,8 @@ def main():
     cases = [c for c in spec["cases"] if (c["name"] in args.cases if args.cases else c["regime"] == "decode")]
     print(f"Device: {torch.cuda.get_device_name()}; heuristic config of each side"
           f"{' (working tree: ' + ', '.join(args.set) + ')' if args.set else ''}; median of "
-          f"{args.rounds} interleaved rounds of {args.reps} graph replays; ratio: median per-round ratio")
+          f"{args.rounds} interleaved rounds of {args.reps} graph replays; ratio: median per-round ratio"
+          f"{f'; num_sms={args.num_sms}' if args.num_sms else ''}")
     print("| dtype | masked_m | case | working tree us | base us | tree / base |")
     print("|---|---|---|---|---|---|")
     for dtype in args.dtype:
@@ -123,7 +126,8 @@ def main():
             for case in cases:
                 # seed = the case's place in the file, as in bench.py
                 ours, theirs, ratio = compare_case(
-                    base, case, spec["cases"].index(case), dtype == "fp8", dist, args.rounds, args.reps, changes
+                    base, case, spec["cases"].index(case), dtype == "fp8", dist, args.rounds, args.reps, changes,
+                    args.num_sms,
                 )
                 print(f"| {dtype} | {dist} | {case['name']} | {ours:.1f} | {theirs:.1f} | {ratio:.3f} |", flush=True)
 

@@ -49,7 +49,6 @@ def main():
     out = torch.empty(e, m, n, device="cuda", dtype=torch.bfloat16)
     mm = torch.full((e,), 32, device="cuda", dtype=torch.int32)
     fn = get_kernel(DECODE_CONFIG)
-    no_signals = torch.zeros(1, device="cuda", dtype=torch.int32)
     plan = launcher._make_plan(a, b, out, mm, None, None, None, None, DECODE_CONFIG, None, "m_block")
     # the dynamic order's claim counter (DECODE_CONFIG claims its tiles)
     counter = launcher._claim_counter(torch.cuda.current_device()) if DECODE_CONFIG.dynamic else None
@@ -65,8 +64,8 @@ def main():
         ),
         "  later calls: pointer checks": lambda: plan.pointers_ok(a, b, mm, out, None, None, None),
         "  get_kernel (cache hit)": lambda: get_kernel(DECODE_CONFIG),
-        "  compiled fn call (DSL wrapper)": lambda: fn(a, b, out, mm, no_signals, None, None, counter, 132),
-        "  compiled fn call (TVM-FFI function)": lambda: plan.fn(a, b, out, mm, no_signals, None, None, counter, 132),
+        "  compiled fn call (DSL wrapper)": lambda: fn(a, b, out, mm, None, None, None, counter, 132),
+        "  compiled fn call (TVM-FFI function)": lambda: plan.fn(a, b, out, mm, None, None, None, counter, 132),
         "  the stream's claim counter": lambda: launcher._claim_counter(0),
         "  torch.cuda.current_device()": torch.cuda.current_device,
         "torch._grouped_mm 3D (peer)": lambda: torch._grouped_mm(a, b.transpose(-2, -1)),

@@ -3,7 +3,11 @@
 
 (a) the same GEMM with and without dst_signals (all SMs, CUDA-graph timing;
     the counters are zeroed once, not per call, so the cost is the kernel's
-    own; the memset a caller adds is timed alone);
+    own; the memset a caller adds is timed alone). "Same GEMM" is the config
+    the heuristic picks for a call with signals; without signals it may pick
+    another order (``GemmConfig.n_major`` for the fp8 mid tiles), timed as
+    "no-signal pick", and "vs no-signal pick" is what turning signals on
+    costs a caller of the heuristic;
 (b) GEMM on `gemm_sms` SMs and the reference combine on the rest: each alone,
     both sequential on one stream, and overlapped on two streams.
 Every time is per call from CUDA-graph replays (the overlapped fork/join is
@@ -68,8 +72,12 @@ def run_case(case, seed, combine_sms, reps, rounds, top_k, rows_per_item=None, f
         combine_masked(out, masked_m, sig, layout, token_idx, weight, combined, num_sms=combine_sms,
                        rows_per_item=rows_per_item)
 
+    sig_cfg = flashgemm.choose_config(em, max_m, n, k, sm_count, fp8, e_count, signals=True)
     timed = {
-        "gemm_us": lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em, **scales),
+        "gemm_us": lambda: flashgemm.grouped_gemm_nt_masked(
+            a, b, out, masked_m, expected_m=em, config=sig_cfg, **scales
+        ),
+        "gemm_pick_us": lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em, **scales),
         # the in-kernel cost alone: the counters are not zeroed between calls
         # (the kernel only adds to them), so no memset kernel and no gap
         # between two graph nodes is counted as signal cost
@@ -100,6 +108,9 @@ def run_case(case, seed, combine_sms, reps, rounds, top_k, rows_per_item=None, f
     # drift by more than the effects measured), then their median
     r["signal_overhead_pct"] = 100 * paired_median(
         lambda plain, sig: sig / plain - 1, samples["gemm_us"], samples["gemm_signals_us"]
+    )
+    r["signals_vs_pick_pct"] = 100 * paired_median(
+        lambda pick, sig: sig / pick - 1, samples["gemm_pick_us"], samples["gemm_signals_us"]
     )
     r["overlap_vs_longer"] = paired_median(
         lambda o, g, c: o / max(g, c),
@@ -137,12 +148,13 @@ def main():
               f"combine sums top-{args.top_k} rows per token ({part[0]['tokens']} tokens); "
               f"median of {args.rounds} interleaved rounds of {args.reps} graph replays; signal cost and "
               "overlap ratio: median of the per-round ratios")
-        print("| case | GEMM us | + signals us | memset us | signal cost | GEMM split us | combine split us "
-              "| sequential us | overlapped us | overlapped / longer alone |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| case | GEMM us | + signals us | memset us | signal cost | no-signal pick us | vs no-signal pick "
+              "| GEMM split us | combine split us | sequential us | overlapped us | overlapped / longer alone |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in part:
             print(f"| {r['case']} | {r['gemm_us']:.1f} | {r['gemm_signals_us']:.1f} | {r['memset_us']:.1f} | "
-                  f"{r['signal_overhead_pct']:+.1f}% | {r['gemm_split_us']:.1f} | {r['combine_split_us']:.1f} | "
+                  f"{r['signal_overhead_pct']:+.1f}% | {r['gemm_pick_us']:.1f} | {r['signals_vs_pick_pct']:+.1f}% | "
+                  f"{r['gemm_split_us']:.1f} | {r['combine_split_us']:.1f} | "
                   f"{r['sequential_us']:.1f} | {r['overlapped_us']:.1f} | {r['overlap_vs_longer']:.3f}x |",
                   flush=True)
     if args.json:

@@ -37,11 +37,21 @@ def test_ptx_has_hopper_features(ptx_by_config, cfg):
 
 
 def _check_balance_ptx(ptx, cfg):
+    reductions = re.findall(r"redux\.sync\.add\.s32", ptx)
+    barrier_3 = bool(re.search(r"bar(rier)?\.sync(\.aligned)?\s+3,", ptx))
+    ballots = re.findall(r"vote\.sync\.ballot\.b32", ptx)
+    if cfg.n_major:
+        # each role (producer, store warp, consumers) counts the m-blocks
+        # with one warp reduction, finds its tiles with a warp scan and a
+        # ballot, and cuts its own grid: no barrier 3
+        assert len(reductions) == 3 and not barrier_3
+        assert ballots and re.search(r"shfl\.sync\.up\.b32", ptx)
+        return
     # balance_rounds: one warp (the producer) counts the units with a warp
     # reduction and hands the result over on named barrier 3
-    reductions = re.findall(r"redux\.sync\.add\.s32", ptx)
     assert len(reductions) == (1 if cfg.balance_rounds else 0)
-    assert bool(re.search(r"bar(rier)?\.sync(\.aligned)?\s+3,", ptx)) == cfg.balance_rounds
+    assert barrier_3 == cfg.balance_rounds
+    assert not ballots
 
 
 @pytest.fixture(scope="module")

@@ -58,12 +58,18 @@ def test_every_heuristic_config_is_valid_and_fits():
         cfg.validate()
         assert cfg.resolved_stages() >= 4  # deep enough to keep weight loads in flight
         assert cfg.smem_bytes() <= 232448
+        assert not cfg.n_major  # the bf16 tiles lost with it (config.py)
 
 
 def test_short_name_distinguishes_configs():
     names = {c.short_name() for c in HEURISTIC_CONFIGS}
     assert len(names) == len(HEURISTIC_CONFIGS)
     assert GemmConfig(l2_hints=True).short_name() != GemmConfig().short_name()
+    assert GemmConfig(n_major=True).short_name() != GemmConfig().short_name()
+    from flashgemm.config import FP8_HEURISTIC_CONFIGS
+
+    fp8_names = {c.short_name() for c in FP8_HEURISTIC_CONFIGS}
+    assert len(fp8_names) == len(FP8_HEURISTIC_CONFIGS)
     assert GemmConfig(dynamic=True).short_name() != GemmConfig().short_name()
     assert GemmConfig(promote_overlap=True).short_name() != GemmConfig().short_name()
 
@@ -80,7 +86,7 @@ def test_dynamic_order_only_for_the_smallest_m(fp8):
 
 
 def test_fp8_heuristic_regimes():
-    from flashgemm.config import FP8_DECODE_CONFIG, FP8_HEURISTIC_CONFIGS, FP8_MID_CONFIG
+    from flashgemm.config import FP8_DECODE_CONFIG, FP8_HEURISTIC_CONFIGS, FP8_MID_CONFIG, FP8_PREFILL_CONFIG
 
     assert choose_config(32, 1024, 4096, 7168, 132, fp8=True) == FP8_DECODE_CONFIG
     # expected_m 64: every expert fits one 128-row m-block, so the L2 hints are on
@@ -92,7 +98,24 @@ def test_fp8_heuristic_regimes():
     assert not choose_config(197, 4096, 4096, 7168, 132, fp8=True).l2_hints  # three m-blocks
     assert choose_config(128, 4096, 7168, 2048, 132, fp8=True) == replace(FP8_MID_CONFIG, l2_hints=True)
     assert choose_config(128, 4096, 4096, 7168, 132, fp8=True) == replace(FP8_MID_CONFIG, l2_hints=True)
-    assert choose_config(1024, 4096, 4096, 7168, 132, fp8=True) == FP8_MID_CONFIG
+    # prefill: the same tile in the expert-major order; up to 256 rows n-major
+    assert choose_config(1024, 4096, 4096, 7168, 132, fp8=True) == FP8_PREFILL_CONFIG
+    assert FP8_PREFILL_CONFIG == replace(FP8_MID_CONFIG, n_major=False) and FP8_MID_CONFIG.n_major
+    assert choose_config(256, 4096, 4096, 7168, 132, fp8=True).n_major
+    assert not choose_config(257, 4096, 4096, 7168, 132, fp8=True).n_major
+    assert not FP8_DECODE_CONFIG.n_major
+    # with completion signals every expert must finish early: expert-major
+    for m in (64, 99, 128, 256):
+        plain = choose_config(m, 4096, 7168, 2048, 132, fp8=True, num_experts=8)
+        signalled = choose_config(m, 4096, 7168, 2048, 132, fp8=True, num_experts=8, signals=True)
+        assert plain.n_major and signalled == replace(plain, n_major=False), m
+        assert signalled in FP8_HEURISTIC_CONFIGS and plain in FP8_HEURISTIC_CONFIGS
+    from flashgemm.launcher import _resolve_config
+
+    assert not _resolve_config(None, 128, 4096, 7168, 2048, 132, True, 8, signals=True).n_major
+    assert _resolve_config(None, 128, 4096, 7168, 2048, 132, True, 8).n_major
+    # an explicit config is the caller's choice, signals or not
+    assert _resolve_config(FP8_MID_CONFIG, None, 4096, 7168, 2048, 132, True, 8, signals=True).n_major
     single = choose_config(32, 1024, 4096, 7168, 1, fp8=True)
     assert single.cluster_n == 1 and single in FP8_HEURISTIC_CONFIGS
     for cfg in FP8_HEURISTIC_CONFIGS:
@@ -123,7 +146,7 @@ def test_fp8_wave_rule_picks_narrow_tiles_only_for_a_nearly_empty_last_round():
     # rounds already full with 128x128: keep it (64-wide tiles re-read A twice as often)
     for name in ("dsv3-ep32-gate_up", "dsv3-ep32-down", "qwen3-235b-ep8-gate_up", "qwen3-235b-ep8-down",
                  "dsv3-prefill-gate_up"):
-        assert replace(pick(name), l2_hints=False) == FP8_MID_CONFIG, name
+        assert replace(pick(name), l2_hints=False, n_major=True) == FP8_MID_CONFIG, name
     # experts of up to 166 rows span two m-blocks there, whose 2 x 28 (down) and
     # 2 x 16 (gate_up) units fit one round of 66 clusters: hinted
     assert pick("dsv3-ep32-down").l2_hints and pick("dsv3-ep32-gate_up").l2_hints

@@ -109,6 +109,12 @@ def test_graph_replays_switch_the_cut_with_masked_m(seed):
     graph = capture_graph(
         lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg, num_sms=num_sms), calls=1
     )
+    replay_with_draws(graph, draws, a, b, masked_m, buf, out)
+
+
+def replay_with_draws(graph, draws, a, b, masked_m, buf, out):
+    """Replay ``graph`` once per masked_m of ``draws``, with new activations
+    and re-poisoned output each time, and check every replay."""
     for masked in draws:
         a.copy_(torch.randn_like(a))
         masked_m.copy_(torch.tensor(masked, dtype=torch.int32))

@@ -220,12 +220,15 @@ class WalkerModel:
         self._seek()
 
 
-def walk(masked_m, max_m, n, tile_m, tile_n, num_ctas, cluster_n=1, keep_clipped=False, balance=False):
-    """Run the walker model for every CTA of the grid, as the kernel does."""
+def walk(masked_m, max_m, n, tile_m, tile_n, num_ctas, cluster_n=1, keep_clipped=False, balance=False,
+         model=None):
+    """Run the walker model (``WalkerModel`` unless ``model``) for every CTA
+    of the grid, as the kernel does."""
+    model = model or WalkerModel
     n_blocks = cdiv(n, tile_n)
     per_cta = []
     for c in range(num_ctas):
-        w = WalkerModel(masked_m, max_m, n_blocks, tile_m, c, num_ctas, cluster_n, c % cluster_n, balance)
+        w = model(masked_m, max_m, n_blocks, tile_m, c, num_ctas, cluster_n, c % cluster_n, balance)
         tiles = []
         e, mb, nb, valid_rows, ok = w.work()
         while ok:
@@ -235,7 +238,8 @@ def walk(masked_m, max_m, n, tile_m, tile_n, num_ctas, cluster_n=1, keep_clipped
                 tiles.append((e, mb, nb))
             w.advance()
             e, mb, nb, valid_rows, ok = w.work()
-        assert w.expert == len(masked_m)  # walked off the end, guarded
+        if model is WalkerModel:
+            assert w.expert == len(masked_m)  # walked off the end, guarded
         per_cta.append(tiles)
     return per_cta
 
@@ -311,6 +315,145 @@ def test_active_clusters_by_hand():
     assert active_clusters(100, 66) == 66  # 34: over half, kept
     assert active_clusters(10, 66) == 10  # one round: the same clusters work either way
     assert active_clusters(0, 66) == 0
+
+
+# ---------------------------------------------------------------------------
+# GemmConfig.n_major: units numbered n-group first (NMajorTileScheduler)
+# ---------------------------------------------------------------------------
+
+
+class NMajorWalkerModel:
+    """NMajorTileScheduler in plain integers, lane by lane: each step scans
+    the experts in chunks of 32 "lanes" (inclusive prefix sums of their
+    m-block counts) and takes the expert as the number of lanes whose prefix
+    is <= r, as the device's ballot and popc do."""
+
+    def __init__(self, masked_m, max_m, num_n_blocks, tile_m, block_idx, grid_size, cluster_n=1,
+                 cta_rank=0, balance=False):
+        self.masked_m, self.max_m, self.tile_m = masked_m, max_m, tile_m
+        self.num_experts = len(masked_m)
+        self.num_n_groups = cdiv(num_n_blocks, cluster_n)
+        self.num_clusters = grid_size // cluster_n
+        self.cluster_n, self.cta_rank = cluster_n, cta_rank
+        self.linear_idx = block_idx // cluster_n
+        self.m_total = 0
+        for base in range(0, self.num_experts, 32):  # one warp reduction per chunk
+            self.m_total += sum(self._lane_blocks(base)[1])
+        if balance:  # every role cuts its own grid
+            active = active_clusters(self.m_total * self.num_n_groups, self.num_clusters)
+            if self.linear_idx >= active:
+                self.linear_idx = self.m_total * self.num_n_groups
+            self.num_clusters = active
+
+    def _lane_blocks(self, base):
+        rows, blocks = [], []
+        for lane in range(32):
+            e = base + lane
+            m = self.masked_m[min(e, self.num_experts - 1)]
+            r = max(min(m, self.max_m), 0) if e < self.num_experts else 0
+            rows.append(r)
+            blocks.append((r + self.tile_m - 1) // self.tile_m)
+        return rows, blocks
+
+    def work(self):
+        units = self.m_total * self.num_n_groups
+        ok = self.linear_idx < units
+        u = min(self.linear_idx, max(units - 1, 0))
+        n_group = u // max(self.m_total, 1)
+        r = u - n_group * self.m_total
+        expert = m_block = rows = 0
+        base, searching = 0, ok
+        while searching:
+            lane_rows, blocks = self._lane_blocks(base)
+            incl = [sum(blocks[: lane + 1]) for lane in range(32)]
+            if r < incl[31]:
+                e_in = sum(1 for x in incl if x <= r)  # popc(ballot(incl <= r))
+                expert = base + e_in
+                m_block = r - (incl[e_in] - blocks[e_in])
+                rows = lane_rows[e_in]
+                searching = False
+            else:
+                r -= incl[31]
+                base += 32
+                searching = base < self.num_experts
+        valid_rows = min(rows - m_block * self.tile_m, self.tile_m)
+        return expert, m_block, n_group * self.cluster_n + self.cta_rank, valid_rows, ok
+
+    def advance(self):
+        self.linear_idx += self.num_clusters
+
+
+def walk_n_major(*args, **kw):
+    return walk(*args, model=NMajorWalkerModel, **kw)
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_n_major_walker_matches_tile_order(chunk):
+    """Every valid tile once, in the model's n-group-major order, for plain,
+    clustered and balanced grids (E up to 256: several 32-expert chunks)."""
+    for case in CASES[chunk::4][:40]:
+        masked_m, max_m, n, tile_m, tile_n, num_ctas = case
+        for cluster_n, balance in ((1, False), (2, False), (2, True)):
+            grid = cluster_n * max(1, num_ctas // cluster_n)
+            args = (masked_m, max_m, n, tile_m, tile_n, grid)
+            order = tile_order(*args, cluster_n=cluster_n, balance=balance, n_major=True)
+            assert walk_n_major(*args, cluster_n=cluster_n, balance=balance) == order, case_id(case)
+            got = Counter(t for cta in order for t in cta)
+            assert all(c == 1 for c in got.values()), case_id(case)
+            assert set(got) == valid_tiles(masked_m, max_m, n, tile_m, tile_n), case_id(case)
+        # the m-blocks of one (expert, n-block) are consecutive units, so
+        # they go to neighbouring CTAs of one round
+        plain = tile_order(masked_m, max_m, n, tile_m, tile_n, num_ctas, n_major=True)
+        seq = [plain[i % num_ctas][i // num_ctas] for i in range(sum(map(len, plain)))]
+        where = {t: i for i, t in enumerate(seq)}
+        for (e, mb, nb), i in where.items():
+            if mb:
+                assert where[(e, mb - 1, nb)] == i - 1, case_id(case)
+
+
+def test_n_major_order_by_hand():
+    # e0: 1 m-block, e1: empty, e2: 2 m-blocks; 2 n-blocks; 3 CTAs.
+    # n-group 0: (0,0) (2,0) (2,1), then n-group 1: the same
+    order = tile_order([3, 0, 500], 130, 256, 128, 128, 3, n_major=True)
+    assert order == [
+        [(0, 0, 0), (0, 0, 1)],
+        [(2, 0, 0), (2, 0, 1)],
+        [(2, 1, 0), (2, 1, 1)],
+    ]
+    assert walk_n_major([3, 0, 500], 130, 256, 128, 128, 3) == order
+    assert walk_n_major([0, -2, 0], 64, 128, 64, 64, 4) == [[], [], [], []]
+
+
+def test_n_major_mixes_experts_in_every_round():
+    """The point of the order, on fp8 dsv3-ep32-down's masked_m (seed 3 of
+    the benchmark): expert-major rounds hold only single-m-block experts
+    (rounds 0-2) or only paired ones (3-4); n-major rounds hold both."""
+    masked_m = [89, 97, 111, 91, 125, 94, 148, 146]
+    args = (masked_m, 4096, 7168, 128, 128, 132)
+    for n_major, mixed in ((False, 0), (True, 5)):
+        order = tile_order(*args, cluster_n=2, balance=True, n_major=n_major)
+        rounds = list(zip(*[cta for cta in order[::2] if cta]))
+        assert len(rounds) == 5
+        paired = [{masked_m[e] > 128 for e, _, _ in r} for r in rounds]
+        assert sum(p == {True, False} for p in paired) == mixed
+
+
+@pytest.mark.parametrize("cluster_n", (1, 2))
+def test_n_major_first_tile_guess(cluster_n):
+    from flashgemm.scheduler import NMajorTileScheduler
+
+    rng = random.Random(7 + cluster_n)
+    for e_count, n in ((1, 120), (3, 7168), (8, 7168)):
+        masked_m = [rng.randint(1, 64) for _ in range(e_count)]
+        n_blocks = cdiv(n, 64)
+        order = tile_order(masked_m, 1024, n, 64, 64, cluster_n * 66, cluster_n, n_major=True)
+        for c in range(cluster_n * 66):
+            expert, n_block, in_range = NMajorTileScheduler.first_tile_guess(
+                c // cluster_n, c % cluster_n, n_blocks, e_count, cluster_n
+            )
+            assert bool(in_range) == bool(order[c]), (c, masked_m)
+            if order[c]:
+                assert (expert, 0, n_block) == order[c][0], (c, masked_m)
 
 
 def test_walker_empty_experts_and_guard():

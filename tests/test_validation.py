@@ -543,7 +543,7 @@ def _plan_for(a, b, out, mm):
 
     return _LaunchPlan(
         fn=None, num_ctas=1, layout=None, out_shape=None, out_dtype=None,
-        copy_a_scale=False, unused_signals=None,
+        copy_a_scale=False,
         **_pointer_rules((a, b, mm, out, None, None, None), False),
     )
 
@@ -598,7 +598,6 @@ def cpu_launcher(monkeypatch):
     fn = _CompiledStandIn()
     monkeypatch.setattr(launcher, "validate_device", lambda *args, **kw: 132)
     monkeypatch.setattr(fg_compile, "get_kernel", lambda *args, **kw: fn)
-    monkeypatch.setattr(launcher, "_unused_signals", lambda index: torch.zeros(1, dtype=torch.int32))
     monkeypatch.setattr(launcher, "_PLANS", {})
     return fn
 

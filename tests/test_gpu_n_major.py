@@ -1,0 +1,108 @@
+"""GPU tests of ``GemmConfig.n_major`` (skipped without sm_90).
+
+Every role of every CTA finds its tiles in the n-group-major order by a warp
+scan over masked_m, 32 experts at a time; roles that disagreed would hang or
+compute a tile twice or never. The cases cover one and several 32-expert
+chunks, empty and over-full experts, partial tiles in M and N, clusters of
+one and two, the balanced and the dynamic order, signals, and graph replays
+whose masked_m changes the m-block count between replays.
+"""
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+import flashgemm
+from flashgemm.config import DECODE_128_CONFIG, DECODE_CONFIG, FP8_MID_CONFIG, FP8_MID_N64_CONFIG, MID_CONFIG
+
+from conftest import requires_hopper
+from test_gpu_fp8 import _check as _check_fp8
+from test_gpu_fp8 import _fp8_case
+from test_gpu_fp8 import _poisoned_out as _poisoned_out_fp8
+from test_gpu_balance import replay_with_draws
+from test_gpu_gemm import _check, _poisoned_out, _random_case
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+from bench import capture_graph  # noqa: E402
+
+pytestmark = requires_hopper
+
+
+def _nm(cfg, **kw):
+    return dataclasses.replace(cfg, n_major=True, **kw)
+
+
+BF16_CONFIGS = [
+    _nm(MID_CONFIG),  # balanced, clusters of 2
+    _nm(MID_CONFIG, balance_rounds=False, cluster_n=1),
+    _nm(DECODE_128_CONFIG),
+    _nm(DECODE_CONFIG),  # dynamic: claims, then the same search
+]
+
+
+def _masked(e_count, max_m, gen):
+    """Mostly 1..2 m-blocks, with empty, negative and over-full experts."""
+    masked = torch.randint(1, max_m + 1, (e_count,), generator=gen).tolist()
+    for i in range(0, e_count, 5):
+        masked[i] = 0
+    masked[1] = -4
+    masked[-1] = 10 * max_m
+    return masked
+
+
+# (E, max_m, N, K, num_sms): E = 7 (one chunk of 32), 40 and 70 (two and three)
+SHAPES = [(7, 200, 328, 192, None), (40, 160, 264, 128, None), (70, 96, 136, 64, 10)]
+
+
+@pytest.mark.parametrize("config", BF16_CONFIGS, ids=lambda c: c.short_name())
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"E{s[0]}")
+def test_bf16_matches_reference(config, shape, seed):
+    e_count, max_m, n, k, num_sms = shape
+    gen = torch.Generator().manual_seed(seed)
+    a, b, masked_m = _random_case(e_count, max_m, n, k, _masked(e_count, max_m, gen))
+    buf, out = _poisoned_out(e_count, max_m, n)
+    flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=config, num_sms=num_sms)
+    _check(a, b, masked_m, out, buf)
+
+
+@pytest.mark.parametrize("config", [FP8_MID_CONFIG, FP8_MID_N64_CONFIG, _nm(FP8_MID_CONFIG, dynamic=True,
+                                    balance_rounds=False)], ids=lambda c: c.short_name())
+@pytest.mark.parametrize("e_count", [6, 37])
+def test_fp8_matches_reference(config, e_count, seed):
+    max_m, n, k = 300, 528, 2880  # 528: five 128-wide n-blocks, one partial
+    gen = torch.Generator().manual_seed(seed)
+    masked = _masked(e_count, max_m, gen)
+    a, a_scale, b, b_scale, masked_m = _fp8_case(e_count, max_m, n, k, masked)
+    buf, out = _poisoned_out_fp8(e_count, max_m, n)
+    flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, config=config)
+    _check_fp8(a, a_scale, b, b_scale, masked_m, out, buf)
+
+
+@pytest.mark.parametrize("granularity", ["m_block", "expert"])
+def test_signals_count_every_tile_once(granularity, seed):
+    e_count, max_m, n, k = 40, 200, 392, 128
+    config = _nm(MID_CONFIG)
+    gen = torch.Generator().manual_seed(seed)
+    a, b, masked_m = _random_case(e_count, max_m, n, k, _masked(e_count, max_m, gen))
+    layout = flashgemm.signal_layout(e_count, max_m, n, k, config=config, signal_granularity=granularity)
+    sig = flashgemm.alloc_signals(layout, "cuda")
+    buf, out = _poisoned_out(e_count, max_m, n)
+    flashgemm.grouped_gemm_nt_masked(
+        a, b, out, masked_m, config=config, dst_signals=sig, signal_granularity=granularity
+    )
+    _check(a, b, masked_m, out, buf)
+    assert torch.equal(sig.cpu(), layout.final_values(masked_m.cpu(), max_m))
+
+
+def test_graph_replays_with_new_m_block_counts(seed):
+    """One captured launch replayed with masked_m whose m-block count M (the
+    order's period) changes: it is counted on the device each time."""
+    config, e_count, max_m, n, k = _nm(MID_CONFIG), 5, 384, 1032, 256
+    draws = [[384, 130, 129, 200, 1], [1, 1, 1, 1, 0], [384] * 5, [0] * 5, [1, 2, 3, 129, 0]]
+    a, b, masked_m = _random_case(e_count, max_m, n, k, draws[-1])
+    buf, out = _poisoned_out(e_count, max_m, n)
+    graph = capture_graph(lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=config), calls=1)
+    replay_with_draws(graph, draws, a, b, masked_m, buf, out)
