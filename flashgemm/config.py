@@ -414,7 +414,7 @@ def choose_config(
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     if fp8:
         cfg = FP8_DECODE_CONFIG if m <= 48 else FP8_MID_CONFIG if m <= 256 else FP8_PREFILL_CONFIG
-        if cfg is FP8_MID_CONFIG and m <= 256 and num_experts:
+        if cfg is FP8_MID_CONFIG and num_experts:
             wide = wave_efficiency(FP8_MID_CONFIG, num_experts, m, n, num_sms)
             narrow = wave_efficiency(FP8_MID_N64_CONFIG, num_experts, m, n, num_sms)
             if narrow - wide >= 0.15:

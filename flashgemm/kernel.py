@@ -311,8 +311,8 @@ class MaskedGroupedGemmSm90:
         into L2 is coherent even if they were: it only moves lines into the
         cache every SM reads through), so the HBM reads can start during that
         kernel's tail instead of after it. The first unit is guessed without
-        masked_m (not readable yet; ``MaskedTileScheduler.first_tile_guess``),
-        exact for the decode tiles where m_e fits one m-block. A wrong guess
+        masked_m (not readable yet; the walker's ``first_tile_guess``), exact
+        for the decode tiles where m_e fits one m-block. A wrong guess
         costs at most ``stages`` k-tiles of reads per CTA.
         """
         walker = NMajorTileScheduler if self.config.n_major else MaskedTileScheduler

@@ -124,7 +124,8 @@ def signal_layout(
     (None: every SM of the current GPU; the fp8 heuristic weighs how full the
     grid's last round of tiles is); ``fp8`` for float8_e4m3fn operands."""
     cfg = _resolve_config(
-        config, expected_m, max_m, n, k, num_sms if num_sms else _default_sms(), fp8, num_experts, True
+        config, expected_m, max_m, n, k, num_sms if num_sms else _default_sms(), fp8, num_experts,
+        signals=True,
     )
     return make_signal_layout(signal_granularity, max_m, n, cfg.tile_m, cfg.tile_n, num_experts)
 

@@ -171,6 +171,23 @@ class _ExpertRows:
     def _m_blocks(self, rows: Int32) -> Int32:
         return (rows + (self.tile_m - 1)) // self.tile_m
 
+    @staticmethod
+    def lane_masked_m(mMaskedM: cute.Tensor, num_experts: Int32) -> Int32:
+        """masked_m of expert ``lane`` (index clamped into range), as stored."""
+        return Int32(mMaskedM[cutlass.min(cute.arch.lane_idx(), num_experts - 1)])
+
+    @cute.jit
+    def _warp_m_blocks(self, lane_m: Int32) -> Int32:
+        """The launch's m-block count, summed over every expert by one warp
+        (every lane must be here): lane l counts experts l, l + 32, ..., and
+        one warp reduction adds them. ``lane_m``: expert l's masked_m from
+        ``lane_masked_m``, which a caller can issue early."""
+        lane = cute.arch.lane_idx()
+        m_blocks = self._m_blocks(self._clamped_rows(lane, lane_m))
+        for i in cutlass.range(1, (self.num_experts - lane + 31) // 32, unroll=1):
+            m_blocks += self._m_blocks(self._rows_of(lane + 32 * i))
+        return cute.arch.warp_redux_sync(m_blocks, "add")
+
 
 class MaskedTileScheduler(_ExpertRows):
     """Device-side walker over the valid tiles of the masked layout.
@@ -266,22 +283,11 @@ class MaskedTileScheduler(_ExpertRows):
     # alongside the walker's own seek, then ``count_active_clusters``) and
     # hands the result to the CTA's other roles, which only ``keep_active`` it.
 
-    @staticmethod
-    def lane_masked_m(mMaskedM: cute.Tensor, num_experts: Int32) -> Int32:
-        """masked_m of expert ``lane`` (index clamped into range), as stored."""
-        return Int32(mMaskedM[cutlass.min(cute.arch.lane_idx(), num_experts - 1)])
-
     @cute.jit
     def count_active_clusters(self, lane_m: Int32) -> Int32:
         """``active_clusters`` of this launch's unit count (every lane of the
-        calling warp must be here: lane l counts the m-blocks of experts l,
-        l + 32, ..., one warp reduction adds them; ``lane_m``: expert l's
-        masked_m from ``lane_masked_m``)."""
-        lane = cute.arch.lane_idx()
-        m_blocks = self._m_blocks(self._clamped_rows(lane, lane_m))
-        for i in cutlass.range(1, (self.num_experts - lane + 31) // 32, unroll=1):
-            m_blocks += self._m_blocks(self._rows_of(lane + 32 * i))
-        units = cute.arch.warp_redux_sync(m_blocks, "add") * self.num_n_blocks
+        calling warp must be here; ``lane_m`` as for ``_warp_m_blocks``)."""
+        units = self._warp_m_blocks(lane_m) * self.num_n_blocks
         return active_clusters(units, self.num_ctas)
 
     def keep_active(self, active: Int32):
@@ -420,16 +426,8 @@ class NMajorTileScheduler(_ExpertRows):
             mMaskedM, num_experts, max_m, _n_groups(num_n_blocks, cluster_n), tile_m,
             grid_size // cluster_n, cluster_n, Int32(cta_rank), Int32(block_idx // cluster_n), Int32(0),
         )
-        sched.m_total = sched._count_m_blocks()
+        sched.m_total = sched._warp_m_blocks(sched.lane_masked_m(mMaskedM, num_experts))
         return sched
-
-    @cute.jit
-    def _count_m_blocks(self) -> Int32:
-        m_total = Int32(0)
-        for base in cutlass.range(0, self.num_experts, 32, unroll=1):
-            _, blocks = self._lane_blocks(base)
-            m_total += cute.arch.warp_redux_sync(blocks, "add")
-        return m_total
 
     def units(self) -> Int32:
         return self.m_total * self.num_n_blocks

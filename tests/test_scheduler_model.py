@@ -336,9 +336,11 @@ class NMajorWalkerModel:
         self.num_clusters = grid_size // cluster_n
         self.cluster_n, self.cta_rank = cluster_n, cta_rank
         self.linear_idx = block_idx // cluster_n
-        self.m_total = 0
-        for base in range(0, self.num_experts, 32):  # one warp reduction per chunk
-            self.m_total += sum(self._lane_blocks(base)[1])
+        lane_sums = [0] * 32  # lane l counts experts l, l + 32, ...
+        for base in range(0, self.num_experts, 32):
+            for lane, blocks in enumerate(self._lane_blocks(base)[1]):
+                lane_sums[lane] += blocks
+        self.m_total = sum(lane_sums)  # one warp reduction
         if balance:  # every role cuts its own grid
             active = active_clusters(self.m_total * self.num_n_groups, self.num_clusters)
             if self.linear_idx >= active:
