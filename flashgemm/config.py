@@ -276,11 +276,22 @@ DECODE_128_CONFIG = GemmConfig(
 MID_192_CONFIG = GemmConfig(
     tile_m=192, tile_n=64, consumer_warpgroups=3, cluster_n=2, l2_hints=True
 )
+# The same rows, 128 columns: half the units, each reading A once for twice
+# the columns. Paired A/B on H100, 2026-11-24 (`ab_revision.py --set
+# tile_n=128 --dtype bf16`, uniform / skewed routing): dsv3-ep32-gate_up
+# (N 4096: 2 rounds of 192x128 units against 4 of 192x64) 0.952 / 0.892,
+# dsv3-ep32-down (N 7168: 4 rounds against 7) 1.040 / 0.903. So a 192x128
+# unit costs about 0.91-0.95 of two 192x64 units, and choose_config takes it
+# where its rounds, weighted so, are fewer (mid_192_wide_wins).
+MID_192_N128_CONFIG = dataclasses.replace(MID_192_CONFIG, tile_n=128)
+WIDE_UNIT_COST = 0.93
 MID_CONFIG = GemmConfig(
     tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n=2, balance_rounds=True
 )
 PREFILL_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, cluster_n=2)
-_REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_192_CONFIG, MID_CONFIG, PREFILL_CONFIG)
+_REGIME_CONFIGS = (
+    DECODE_CONFIG, DECODE_128_CONFIG, MID_192_CONFIG, MID_192_N128_CONFIG, MID_CONFIG, PREFILL_CONFIG
+)
 
 # Block-scaled fp8: 128-deep stages (one scale block each). Two accumulator
 # sets per thread (running sum + one k-block's products) cap tile_n at 192,
@@ -288,6 +299,17 @@ _REGIME_CONFIGS = (DECODE_CONFIG, DECODE_128_CONFIG, MID_192_CONFIG, MID_CONFIG,
 FP8_DECODE_CONFIG = GemmConfig(
     tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1, cluster_n=2, l2_hints=True, dynamic=True
 )
+# K >= 4096: 64-wide tiles. A unit's time grows with K, and the last units a
+# cluster claims set the launch's tail; halving the unit halves that step.
+# Paired A/B on H100, 2026-11-24 (`ab_revision.py --set tile_n=64 --dtype
+# fp8`, uniform / skewed routing, bit-identical outputs): dsv3-ep8-gate_up
+# (K 7168) 0.983-0.984 / 0.997-1.002 (sparse 0.973-0.981), E16 N3072 K4096
+# 0.984 / 0.995, E64 m16 K7168 0.986 / 0.986, E8 K7168 0.998 / 1.018. With
+# short K the doubled per-tile costs (epilogue, pipeline refill) won instead:
+# dsv3-ep8-down (K 2048) 0.983-0.985 / 1.033-1.042, E16 K1536 1.038 / 1.030,
+# E16 N1536 K2048 1.020 / 1.114, E8 N7168 K2048 0.972 / 1.077.
+FP8_DECODE_N64_CONFIG = dataclasses.replace(FP8_DECODE_CONFIG, tile_n=64)
+FP8_DECODE_N64_MIN_K = 4096
 # The two-warpgroup fp8 tiles keep a second k-tile's wgmma in flight while
 # they promote (promote_overlap). Paired A/B on H100, 2026-11-24
 # (`ab_revision.py --set promote_overlap=1`, bit-identical outputs): uniform
@@ -327,7 +349,7 @@ _FP8_MID_TILES = tuple(
     dataclasses.replace(c, l2_hints=hints, n_major=n_major)
     for c in (FP8_MID_CONFIG, FP8_MID_N64_CONFIG) for hints in (False, True) for n_major in (True, False)
 )
-_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG,) + _FP8_MID_TILES  # (FP8_PREFILL_CONFIG among them)
+_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG) + _FP8_MID_TILES  # (FP8_PREFILL_CONFIG among them)
 
 
 def _with_single_cta(configs):
@@ -347,6 +369,26 @@ def wave_efficiency(cfg: GemmConfig, num_experts: int, expected_m: int, n: int, 
     units = max(1, round(num_experts * m_blocks * cfg.n_groups(n)))
     clusters = cfg.n_clusters(num_sms)
     return units / (-(-units // clusters) * clusters)
+
+
+def expected_rounds(cfg: GemmConfig, num_experts: int, expected_m: int, n: int, num_sms: int) -> int:
+    """Rounds of the persistent grid for the units the host expects, with m_e
+    spread evenly over expected_m * [0.7, 1.3] (the benchmark's draw)."""
+    lo, hi = 0.7 * expected_m, 1.3 * expected_m
+    m_blocks, edge = 1.0, cfg.tile_m  # every expert has at least one m-block
+    while edge < hi:  # the share of experts past each further m-block edge
+        m_blocks += (hi - max(edge, lo)) / (hi - lo)
+        edge += cfg.tile_m
+    units = max(1, round(num_experts * m_blocks * cfg.n_groups(n)))
+    return -(-units // cfg.n_clusters(num_sms))
+
+
+def mid_192_wide_wins(num_experts: int, expected_m: int, n: int, num_sms: int) -> bool:
+    """bf16, expected_m 97..144: 192x128 tiles when their rounds, each costing
+    2 * WIDE_UNIT_COST rounds of 192x64 tiles, take less time."""
+    wide = expected_rounds(MID_192_N128_CONFIG, num_experts, expected_m, n, num_sms)
+    narrow = expected_rounds(MID_192_CONFIG, num_experts, expected_m, n, num_sms)
+    return 2 * WIDE_UNIT_COST * wide < narrow
 
 
 def choose_config(
@@ -414,6 +456,8 @@ def choose_config(
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     if fp8:
         cfg = FP8_DECODE_CONFIG if m <= 48 else FP8_MID_CONFIG if m <= 256 else FP8_PREFILL_CONFIG
+        if cfg is FP8_DECODE_CONFIG and k >= FP8_DECODE_N64_MIN_K:
+            cfg = FP8_DECODE_N64_CONFIG
         if cfg is FP8_MID_CONFIG and num_experts:
             wide = wave_efficiency(FP8_MID_CONFIG, num_experts, m, n, num_sms)
             narrow = wave_efficiency(FP8_MID_N64_CONFIG, num_experts, m, n, num_sms)
@@ -435,7 +479,8 @@ def choose_config(
     elif m <= 96:
         cfg = DECODE_128_CONFIG
     elif m <= 144:
-        cfg = MID_192_CONFIG
+        wide = num_experts and mid_192_wide_wins(num_experts, m, n, num_sms)
+        cfg = MID_192_N128_CONFIG if wide else MID_192_CONFIG
     elif m <= 256:
         cfg = MID_CONFIG
     else:

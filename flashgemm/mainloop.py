@@ -26,7 +26,14 @@ of the tile are real (unused) rows of the same expert and never reach the
 output (see ``epilogue``). Letting a consumer warpgroup whose 64 rows all lie
 past ``m_e`` skip its wgmma (only waiting for and releasing each slot) was
 tried and dropped: fp8 dsv3-ep32-gate_up went from 97.8-101.4 to 110.1-112.7
-us, the other decode cases moved by -1.3% to +1.2% (H100, 2026-11-23).
+us, the other decode cases moved by -1.3% to +1.2% (H100, 2026-11-23). Tried
+again on the n-group-major kernel, with the branch around whole wgmma
+pipelines (SASS: the same QGMMA and WARPGROUP.DEPBAR counts as without it, so
+nothing was serialized): paired A/B gave fp8 dsv3-ep32-gate_up 1.065 uniform,
+the other fp8 and bf16 decode cases 0.943-1.017 (H100, 2026-11-24). A likely
+cause, not measured: an expert's two m-blocks read the same weight tiles, and
+when the nearly empty one runs faster than its partner the two stop reading
+them at the same time, so the second read misses L2.
 """
 
 from __future__ import annotations

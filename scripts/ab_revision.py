@@ -22,6 +22,9 @@ the other side is the working tree's unchanged heuristic config:
 
     python scripts/ab_revision.py --set dynamic=1 --dist uniform skewed
 
+``--shape E,MAX_M,EXPECTED_M,N,K`` (repeatable) runs shapes outside the case
+file, drawn the same way (without ``--cases``, only those).
+
 Each package compiles into the same cache directory under its own keys (the
 source digest is part of the key).
 """
@@ -95,6 +98,8 @@ def main():
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--num-sms", type=int, help="num_sms for both sides' calls (default: every SM)")
+    p.add_argument("--shape", action="append", default=[], metavar="E,MAX_M,EXPECTED_M,N,K",
+                   help="also run this ad hoc case (seeded by its place after the file's cases)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ab_revision.py needs a CUDA GPU")
@@ -115,6 +120,16 @@ def main():
 
     spec = json.load(open(CASES_FILE))
     cases = [c for c in spec["cases"] if (c["name"] in args.cases if args.cases else c["regime"] == "decode")]
+    if args.shape and not args.cases:
+        cases = []  # only the ad hoc shapes
+    for text in args.shape:
+        try:
+            e, max_m, em, n, k = (int(x) for x in text.split(","))
+        except ValueError:
+            p.error(f"--shape {text!r}: expected five integers E,MAX_M,EXPECTED_M,N,K")
+        case = dict(name=f"E{e}-m{em}-n{n}-k{k}", E=e, max_m=max_m, expected_m=em, N=n, K=k, regime="adhoc")
+        spec["cases"].append(case)
+        cases.append(case)
     print(f"Device: {torch.cuda.get_device_name()}; heuristic config of each side"
           f"{' (working tree: ' + ', '.join(args.set) + ')' if args.set else ''}; median of "
           f"{args.rounds} interleaved rounds of {args.reps} graph replays; ratio: median per-round ratio"

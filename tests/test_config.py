@@ -85,10 +85,44 @@ def test_dynamic_order_only_for_the_smallest_m(fp8):
         assert not choose_config(m, 4096, 4096, 7168, 132, fp8=fp8, num_experts=16).dynamic
 
 
-def test_fp8_heuristic_regimes():
-    from flashgemm.config import FP8_DECODE_CONFIG, FP8_HEURISTIC_CONFIGS, FP8_MID_CONFIG, FP8_PREFILL_CONFIG
+def test_bf16_192_row_tile_width_follows_the_rounds():
+    """expected_m 97..144 (bf16): 192x128 where its rounds, at WIDE_UNIT_COST
+    per half of a unit, beat 192x64's; the measured cases of config.py."""
+    from flashgemm.config import MID_192_CONFIG, MID_192_N128_CONFIG, expected_rounds, mid_192_wide_wins
 
-    assert choose_config(32, 1024, 4096, 7168, 132, fp8=True) == FP8_DECODE_CONFIG
+    # dsv3-ep32 (E 8, m 128): gate_up N 4096 has 2 rounds of 192x128 against 4;
+    # down N 7168 has 4 against 7, where 192x128 lost (1.040)
+    assert expected_rounds(MID_192_N128_CONFIG, 8, 128, 4096, 132) == 2
+    assert expected_rounds(MID_192_CONFIG, 8, 128, 4096, 132) == 4
+    assert expected_rounds(MID_192_N128_CONFIG, 8, 128, 7168, 132) == 4
+    assert expected_rounds(MID_192_CONFIG, 8, 128, 7168, 132) == 7
+    assert choose_config(128, 4096, 4096, 7168, 132, num_experts=8) == MID_192_N128_CONFIG
+    assert choose_config(128, 4096, 7168, 2048, 132, num_experts=8) == MID_192_CONFIG
+    assert not mid_192_wide_wins(8, 128, 3072, 132)  # 2 rounds against 3
+    # without num_experts the rounds are unknown: the 64-wide tile
+    assert choose_config(128, 4096, 4096, 7168, 132) == MID_192_CONFIG
+    # m-blocks: 0.7..1.3 x expected_m against the tile edges (128-row tile,
+    # m 128: half the experts take a second m-block)
+    from flashgemm.config import MID_CONFIG
+
+    assert expected_rounds(MID_CONFIG, 66, 128, 256, 132) == 2  # 66 * 1.5 * 1 units on 66 clusters
+    assert expected_rounds(MID_CONFIG, 66, 60, 256, 132) == 1
+
+
+def test_fp8_heuristic_regimes():
+    from flashgemm.config import (
+        FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG, FP8_HEURISTIC_CONFIGS, FP8_MID_CONFIG, FP8_PREFILL_CONFIG,
+    )
+
+    # decode: 64-wide tiles from K 4096 on (units whose time grows with K)
+    assert choose_config(32, 1024, 7168, 2048, 132, fp8=True) == FP8_DECODE_CONFIG
+    assert choose_config(48, 1024, 4096, 4095, 132, fp8=True) == FP8_DECODE_CONFIG
+    assert choose_config(32, 1024, 4096, 7168, 132, fp8=True) == FP8_DECODE_N64_CONFIG
+    assert choose_config(48, 1024, 3072, 4096, 132, fp8=True) == FP8_DECODE_N64_CONFIG
+    assert FP8_DECODE_N64_CONFIG == replace(FP8_DECODE_CONFIG, tile_n=64)
+    assert FP8_DECODE_N64_CONFIG in FP8_HEURISTIC_CONFIGS
+    assert replace(FP8_DECODE_N64_CONFIG, cluster_n=1) in FP8_HEURISTIC_CONFIGS
+    assert choose_config(32, 1024, 4096, 7168, 1, fp8=True) == replace(FP8_DECODE_N64_CONFIG, cluster_n=1)
     # expected_m 64: every expert fits one 128-row m-block, so the L2 hints are on
     assert choose_config(64, 1024, 4096, 1536, 132, fp8=True) == replace(FP8_MID_CONFIG, l2_hints=True)
     assert choose_config(98, 1024, 4096, 1536, 132, fp8=True).l2_hints

@@ -15,6 +15,7 @@ from flashgemm.config import (
     DECODE_128_CONFIG,
     DECODE_CONFIG,
     FP8_DECODE_CONFIG,
+    FP8_DECODE_N64_CONFIG,
     FP8_MID_CONFIG,
     MID_192_CONFIG,
     MID_CONFIG,
@@ -41,7 +42,7 @@ BF16_CONFIGS = [
     _dyn(MID_192_CONFIG),  # three consumer warpgroups
     _dyn(MID_CONFIG, cluster_n=1),
 ]
-FP8_CONFIGS = [_dyn(FP8_DECODE_CONFIG), _dyn(FP8_MID_CONFIG, l2_hints=True)]
+FP8_CONFIGS = [_dyn(FP8_DECODE_CONFIG), _dyn(FP8_DECODE_N64_CONFIG), _dyn(FP8_MID_CONFIG, l2_hints=True)]
 
 SHAPES = [
     # (E, max_m, N, K, masked_m): empty experts, m_e past max_m, negative m_e

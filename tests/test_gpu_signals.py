@@ -7,7 +7,9 @@ import torch
 
 import flashgemm
 from flashgemm.combine import ERR_BAD_TOKEN, ERR_TIMEOUT
-from flashgemm.config import DECODE_CONFIG, FP8_DECODE_CONFIG, FP8_MID_CONFIG, MID_CONFIG, GemmConfig
+from flashgemm.config import (
+    DECODE_CONFIG, FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG, FP8_MID_CONFIG, MID_CONFIG, GemmConfig,
+)
 from flashgemm.overlap import combine_masked, run_gemm_and_combine
 from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token
 from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error, similarity
@@ -96,7 +98,9 @@ def test_overlapped_combine_never_reads_stale_rows(config, seed):
     assert tiles > 2000
 
 
-@pytest.mark.parametrize("config", [FP8_DECODE_CONFIG, FP8_MID_CONFIG], ids=lambda c: c.short_name())
+@pytest.mark.parametrize(
+    "config", [FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG, FP8_MID_CONFIG], ids=lambda c: c.short_name()
+)
 def test_overlapped_combine_of_fp8_gemm(config, seed):
     """The same overlap with block-scaled fp8 operands (bf16 out): the combine
     sums only rows the GEMM has signalled, and the GEMM matches the fp32
