@@ -417,8 +417,9 @@ def choose_config(
       104.3-107.3 us; 99.6 vs 102.1; before that change: 114.9 vs 115.4 and
       115.3 vs 113.5), and tied or won gate_up (189.1 vs 185.3-189.8; 194.7 vs
       198.5; 194.9 vs 199.1). 192x128 won gate_up (188.1) but lost down (129.5
-      vs 113.5). 145..256: 128x128 (dsv3-ep32 gate_up 198.5 us vs 208.5 for
-      128x64 and 239.1 for 64x128);
+      vs 113.5); since 2026-11-24 it is taken where its rounds of the grid are
+      fewer (``mid_192_wide_wins``: dsv3-ep32-gate_up 0.958). 145..256: 128x128
+      (dsv3-ep32 gate_up 198.5 us vs 208.5 for 128x64 and 239.1 for 64x128);
     * expected_m 1024: 128x256 (dsv3-prefill gate_up 435 vs 457 us for 128x128).
 
     The three decode tiles (expected_m <= 144) load the weights evict-first
@@ -432,7 +433,8 @@ def choose_config(
 
     fp8 (`bench.py --dtype both --sweep`, same day, after partial tiles moved to
     16-byte stores): 64x128 with one consumer warpgroup for expected_m 32
-    (dsv3-ep8 gate_up 340.7 us vs 359.4 for 128x128, down 183.2 vs 196.6); 128x128
+    (dsv3-ep8 gate_up 340.7 us vs 359.4 for 128x128, down 183.2 vs 196.6), 64x64
+    from K 4096 on (``FP8_DECODE_N64_CONFIG``, measured 2026-11-24); 128x128
     from expected_m 64 up (qwen3-235b-ep8 gate_up 81.3 vs 87.3 for 64x128, down
     45.6 vs 48.1; dsv3-ep32 down 60.1 vs 61.3, gate_up 100.8 vs 111.1;
     dsv3-prefill gate_up 247-272 vs 351). Up to expected_m 256, 128x64 replaces
