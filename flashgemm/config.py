@@ -349,7 +349,8 @@ _FP8_MID_TILES = tuple(
     dataclasses.replace(c, l2_hints=hints, n_major=n_major)
     for c in (FP8_MID_CONFIG, FP8_MID_N64_CONFIG) for hints in (False, True) for n_major in (True, False)
 )
-_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG) + _FP8_MID_TILES  # (FP8_PREFILL_CONFIG among them)
+# (FP8_PREFILL_CONFIG is among the mid tiles)
+_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG) + _FP8_MID_TILES
 
 
 def _with_single_cta(configs):
@@ -366,9 +367,16 @@ def wave_efficiency(cfg: GemmConfig, num_experts: int, expected_m: int, n: int, 
     an expert whose mean fills a tile spills into a second m-block about half
     the time: expected_m / tile_m + 0.5 m-blocks per expert, at least one."""
     m_blocks = max(1.0, expected_m / cfg.tile_m + 0.5)
+    units, rounds = _units_and_rounds(cfg, num_experts, m_blocks, n, num_sms)
+    return units / (rounds * cfg.n_clusters(num_sms))
+
+
+def _units_and_rounds(cfg: GemmConfig, num_experts: int, m_blocks: float, n: int, num_sms: int):
+    """Units of work of num_experts experts holding m_blocks m-blocks each on
+    average, and the rounds of the persistent grid they take. The two
+    estimates above and below differ only in how they count m_blocks."""
     units = max(1, round(num_experts * m_blocks * cfg.n_groups(n)))
-    clusters = cfg.n_clusters(num_sms)
-    return units / (-(-units // clusters) * clusters)
+    return units, -(-units // cfg.n_clusters(num_sms))
 
 
 def expected_rounds(cfg: GemmConfig, num_experts: int, expected_m: int, n: int, num_sms: int) -> int:
@@ -379,8 +387,7 @@ def expected_rounds(cfg: GemmConfig, num_experts: int, expected_m: int, n: int, 
     while edge < hi:  # the share of experts past each further m-block edge
         m_blocks += (hi - max(edge, lo)) / (hi - lo)
         edge += cfg.tile_m
-    units = max(1, round(num_experts * m_blocks * cfg.n_groups(n)))
-    return -(-units // cfg.n_clusters(num_sms))
+    return _units_and_rounds(cfg, num_experts, m_blocks, n, num_sms)[1]
 
 
 def mid_192_wide_wins(num_experts: int, expected_m: int, n: int, num_sms: int) -> bool:
