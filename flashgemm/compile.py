@@ -229,6 +229,12 @@ def operand_dtype(config: GemmConfig) -> str:
     return "fp8e4m3" if config.tile_k == 128 else "bf16"
 
 
+def signal_modes_of(config: GemmConfig, modes=(None, "m_block", "expert")) -> tuple:
+    """The signal modes among ``modes`` a config can be launched with: a
+    ``split_last_round`` config publishes no signals (the launcher refuses)."""
+    return tuple(m for m in modes if m is None or not config.split_last_round)
+
+
 def precompile(
     configs=None,
     *,
@@ -247,7 +253,7 @@ def precompile(
     count = 0
     for cfg in configs or HEURISTIC_CONFIGS + FP8_HEURISTIC_CONFIGS:
         ab = operand_dtype(cfg)
-        for mode in signal_modes:
+        for mode in signal_modes_of(cfg, signal_modes):
             key = cache_key(cfg, ab, "bf16", arch, mode)
             fn = diskcache.get_or_build(
                 key, lambda: build(cfg, ab, "bf16", arch, signal_mode=mode), cache_dir

@@ -62,6 +62,11 @@ class GemmConfig:
     n_major: units numbered n-group first (``scheduler.NMajorTileScheduler``),
         so every round holds a slice of every expert instead of one or two
         whole experts.
+    split_last_round: static expert-major order, two consumer warpgroups,
+        calls without signals; when the units (counted on the device) leave
+        the grid's last round at most half full, each of its units runs as
+        two half units on two clusters, one warpgroup each
+        (``scheduler.tail_start``).
     """
 
     tile_m: int = 128
@@ -97,10 +102,14 @@ class GemmConfig:
     # the earlier rounds (scheduler.active_clusters has the measurements).
     balance_rounds: bool = False
     n_major: bool = False
+    # Compute-bound tiles: a last round of a few units costs a whole round
+    # on an otherwise idle GPU; halving them halves that tail (measurements
+    # in scheduler.tail_start).
+    split_last_round: bool = False
 
     def __post_init__(self):
         # The launcher hashes the config into its plan key on every call; the
-        # generated hash (a tuple of all 13 fields) cost 0.2-0.36 us of a
+        # generated hash (a tuple of all 13 fields then) cost 0.2-0.36 us of a
         # 2-3 us call on the development CPU, so it is computed once.
         object.__setattr__(
             self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
@@ -137,6 +146,8 @@ class GemmConfig:
         """Clusters the launcher starts: capped at num_sms, and never more
         than the units of work every expert at max_m rows would make."""
         max_units = num_experts * -(-max_m // self.tile_m) * self.n_groups(n)
+        if self.split_last_round:  # a last round of halves may use twice the clusters
+            max_units *= 2
         return max(1, min(num_sms // self.cluster_n, max_units))
 
     def stage_bytes(self, elem_bytes: int = 2) -> int:
@@ -207,6 +218,16 @@ class GemmConfig:
                 "config.balance_rounds applies to the static order; a dynamic config "
                 "(config.dynamic=True) already gives late clusters fewer units"
             )
+        if self.split_last_round and self.consumer_warpgroups != 2:
+            raise ValueError(
+                "config.split_last_round runs each half of a split unit on one of two "
+                f"consumer warpgroups; got consumer_warpgroups={self.consumer_warpgroups}"
+            )
+        if self.split_last_round and (self.dynamic or self.balance_rounds or self.n_major):
+            raise ValueError(
+                "config.split_last_round applies to the static expert-major order; "
+                "turn off config.dynamic, config.balance_rounds and config.n_major"
+            )
         if self.cluster_m != 1 or self.cluster_n not in (1, 2):
             raise ValueError(
                 f"config cluster shape ({self.cluster_m}, {self.cluster_n}) is not supported; "
@@ -237,6 +258,7 @@ class GemmConfig:
             + ("" if self.pdl else "-nopdl") + ("-dyn" if self.dynamic else "")
             + ("" if self.l2_warmup else "-nowarm") + ("-po" if self.promote_overlap else "")
             + ("-bal" if self.balance_rounds else "") + ("-nmaj" if self.n_major else "")
+            + ("-split" if self.split_last_round else "")
         )
 
 
@@ -288,9 +310,19 @@ WIDE_UNIT_COST = 0.93
 MID_CONFIG = GemmConfig(
     tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n=2, balance_rounds=True
 )
-PREFILL_CONFIG = GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, cluster_n=2)
+# Prefill splits a last round that is at most half full into half units
+# (split_last_round). Paired A/B on H100, 2026-11-24 (`ab_revision.py --set
+# split_last_round=1`, bit-identical outputs), uniform / skewed routing:
+# dsv3-prefill-gate_up (4.12 rounds of 128x256 units) 0.893 / 0.944,
+# dsv3-prefill-down (8.06 rounds) 0.950 / 0.961, E8 m512 N4096 K7168 0.953,
+# E4 m1024 N2048 0.973; where no round was cut, 0.994-1.031 (dense-like,
+# whose last round is 58/66 full) and 1.003-1.007.
+PREFILL_CONFIG = GemmConfig(
+    tile_m=128, tile_n=256, consumer_warpgroups=2, cluster_n=2, split_last_round=True
+)
 _REGIME_CONFIGS = (
-    DECODE_CONFIG, DECODE_128_CONFIG, MID_192_CONFIG, MID_192_N128_CONFIG, MID_CONFIG, PREFILL_CONFIG
+    DECODE_CONFIG, DECODE_128_CONFIG, MID_192_CONFIG, MID_192_N128_CONFIG, MID_CONFIG, PREFILL_CONFIG,
+    dataclasses.replace(PREFILL_CONFIG, split_last_round=False),  # with signals
 )
 
 # Block-scaled fp8: 128-deep stages (one scale block each). Two accumulator
@@ -344,13 +376,21 @@ FP8_MID_CONFIG = dataclasses.replace(MID_CONFIG, tile_k=128, promote_overlap=Tru
 FP8_MID_N64_CONFIG = dataclasses.replace(
     DECODE_128_CONFIG, tile_k=128, l2_hints=False, promote_overlap=True, n_major=True
 )
-FP8_PREFILL_CONFIG = dataclasses.replace(FP8_MID_CONFIG, n_major=False)
+# Prefill splits a last round that is at most half full (split_last_round)
+# instead of balancing it. Paired A/B against the balanced tile (H100,
+# 2026-11-24, `ab_revision.py --set split_last_round=1`, bit-identical
+# outputs), uniform / skewed routing: dsv3-prefill-gate_up (8.24 rounds)
+# 0.904 / 0.966, dsv3-prefill-down (16.12 rounds) 0.986 / 1.008, E2 m300
+# N4096 K4096 0.894; where no round was cut 0.969-1.009 (dense-like 0.994 /
+# 0.969). Calls with signals keep the balanced tile (one of the mid tiles).
+FP8_PREFILL_CONFIG = dataclasses.replace(
+    FP8_MID_CONFIG, n_major=False, balance_rounds=False, split_last_round=True
+)
 _FP8_MID_TILES = tuple(
     dataclasses.replace(c, l2_hints=hints, n_major=n_major)
     for c in (FP8_MID_CONFIG, FP8_MID_N64_CONFIG) for hints in (False, True) for n_major in (True, False)
 )
-# (FP8_PREFILL_CONFIG is among the mid tiles)
-_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG) + _FP8_MID_TILES
+_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG) + _FP8_MID_TILES + (FP8_PREFILL_CONFIG,)
 
 
 def _with_single_cta(configs):
@@ -410,7 +450,8 @@ def choose_config(
 ) -> GemmConfig:
     """Pick a configuration from host-side facts only (never reads masked_m).
     ``signals``: the call publishes completion signals (the fp8 mid tiles then
-    keep the expert-major order, so experts finish one after another).
+    keep the expert-major order, so experts finish one after another, and
+    the prefill tiles run their last round unsplit).
 
     From the config sweeps of scripts/bench.py on H100 (2026-11-22, CUDA-graph
     timings, docs/benchmarks.md):
@@ -427,7 +468,9 @@ def choose_config(
       vs 113.5); since 2026-11-24 it is taken where its rounds of the grid are
       fewer (``mid_192_wide_wins``: dsv3-ep32-gate_up 0.958). 145..256: 128x128
       (dsv3-ep32 gate_up 198.5 us vs 208.5 for 128x64 and 239.1 for 64x128);
-    * expected_m 1024: 128x256 (dsv3-prefill gate_up 435 vs 457 us for 128x128).
+    * expected_m 1024: 128x256 (dsv3-prefill gate_up 435 vs 457 us for 128x128),
+      with a last round at most half full split into half units (bf16 and fp8,
+      ``split_last_round``, measured 2026-11-24).
 
     The three decode tiles (expected_m <= 144) load the weights evict-first
     and the activations evict-last (``l2_hints``). A/B on H100, 2026-11-23,
@@ -494,6 +537,10 @@ def choose_config(
         cfg = MID_CONFIG
     else:
         cfg = PREFILL_CONFIG
+    if signals and cfg.split_last_round:
+        # A split tile's halves finish on two CTAs, and a signal counts tiles.
+        # The fp8 tile balances its last round instead, as it did before.
+        cfg = dataclasses.replace(cfg, split_last_round=False, balance_rounds=fp8)
     if num_sms < cfg.cluster_n:
         cfg = dataclasses.replace(cfg, cluster_n=1)
     return cfg

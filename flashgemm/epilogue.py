@@ -131,12 +131,14 @@ class TileEpilogue(_NoLoopState):
         n_total: Int32,
         sig_pipeline,  # PipelineAsync of the partial-tile handoff, or None without signals
         sig_state,  # its producer state (None without signals)
+        half=None,  # split_last_round builds: WorkTile.half
     ):
         """Store one tile; returns the advanced signal-pipeline state."""
-        if valid_rows == self.tile_mn[0]:
+        full, row_lo, row_hi = tile_rows(valid_rows, half, self.tile_mn[0])
+        if full:
             self._stage_full(epi_tile_count(self.tile_mn))
         else:
-            self._store_partial(expert, m_block, n_block, valid_rows, n_total)
+            self._store_partial(expert, m_block, n_block, row_hi, n_total, row_lo)
             if cutlass.const_expr(sig_pipeline is not None):
                 # hand this thread's stores to the store warp, which publishes
                 # them; no wait unless it is SIGNAL_STAGES tiles behind
@@ -172,9 +174,11 @@ class TileEpilogue(_NoLoopState):
 
     @cute.jit
     def _store_partial(
-        self, expert: Int32, m_block: Int32, n_block: Int32, valid_rows: Int32, n_total: Int32
+        self, expert: Int32, m_block: Int32, n_block: Int32, valid_rows: Int32, n_total: Int32,
+        row_lo=None,
     ):
-        """Rows < valid_rows only: each sub-tile is staged in buffer 0 (free: the
+        """Rows < valid_rows only (and >= row_lo, a half unit's first row): each
+        sub-tile is staged in buffer 0 (free: the
         store warp's last bulk store of a full tile reads buffer 1, and it waited
         for buffer 0's), then read back in 16-byte row pieces that are stored
         if their row is valid and their columns lie inside N (N % 8 == 0)."""
@@ -187,11 +191,27 @@ class TileEpilogue(_NoLoopState):
             for m in cutlass.range_constexpr(cute.size(tSG_gD, mode=[1])):
                 for n in cutlass.range_constexpr(cute.size(tSG_gD, mode=[2])):
                     row, col = self.tSG_cD[(0, m, n)]
-                    if (row < valid_rows) & (epi_idx * self.epi_tile[1] + col < n_rem):
+                    keep = (row < valid_rows) & (epi_idx * self.epi_tile[1] + col < n_rem)
+                    if cutlass.const_expr(row_lo is not None):
+                        keep = keep & (row >= row_lo)
+                    if keep:
                         cute.copy(
                             self.tiled_copy_s2g, self.tSG_sD[(None, m, n)], tSG_gD[(None, m, n)]
                         )
             self.consumer_barrier.arrive_and_wait()  # buffer 0 read: free again
+
+
+def tile_rows(valid_rows: Int32, half, tile_m: int):
+    """(full, row_lo, row_hi): whether the tile leaves by bulk store, and the
+    rows [row_lo, row_hi) it holds. ``half`` (``WorkTile.half``, split builds
+    only): a half unit holds the 64 rows of its warpgroup and stores them
+    like a partial tile, since the other half's CTA stores the rest; row_lo
+    is None in builds without halves."""
+    if cutlass.const_expr(half is None):
+        return valid_rows == tile_m, None, valid_rows
+    row_lo = cutlass.max(half, Int32(0)) * 64
+    row_hi = cutlass.select_(half < 0, valid_rows, cutlass.min(valid_rows, row_lo + 64))
+    return (half < 0) & (valid_rows == tile_m), row_lo, row_hi
 
 
 def epi_tile_count(tile_mn) -> int:
@@ -232,10 +252,11 @@ class TileStorer(_NoLoopState):
         mSignals: cute.Tensor,
         sig_pipeline,  # PipelineAsync of the partial-tile handoff, or None without signals
         sig_state,  # its consumer state (None without signals)
+        half=None,  # split_last_round builds (no signals): WorkTile.half
     ):
         """Store (full tile) or publish (partial tile) one tile; returns the
         advanced signal-pipeline state."""
-        if valid_rows == self.tile_mn[0]:
+        if tile_rows(valid_rows, half, self.tile_mn[0])[0]:
             self._store_full(expert, m_block, n_block)
             if cutlass.const_expr(sig_pipeline is not None):
                 if self.is_lane0:

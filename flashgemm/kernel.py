@@ -15,7 +15,7 @@ from cutlass.tensor_utils.layout import LayoutEnum
 from .config import EPI_STAGES, GemmConfig
 from .dynamic_scheduler import FEED_STAGES, TileFeed, producer_next_unit, reader_warps
 from .epilogue import SIGNAL_STAGES, TileEpilogue, TileStorer
-from .mainloop import consume_tile, consume_tile_blockscaled, produce_tile
+from .mainloop import consume_tile, consume_tile_blockscaled, produce_tile, skip_tile
 from .scheduler import MaskedTileScheduler, NMajorTileScheduler, active_clusters
 from . import trace as tr
 
@@ -85,6 +85,12 @@ class MaskedGroupedGemmSm90:
     producer runs ahead into the next tile while the consumers are in the
     epilogue, so loads overlap stores.
 
+    With ``config.split_last_round`` every role counts the units itself, and
+    a unit of a last round at most half full runs as two half units on two
+    clusters: in each, the consumer warpgroup that owns the half's 64 rows
+    computes and stores them (as a partial tile), and the other one only
+    waits for and releases every slot (``mainloop.skip_tile``).
+
     With ``config.dynamic`` each cluster claims its units, one at a time, from
     a global counter (``dynamic_scheduler``): the producer warp of rank 0
     claims, and a ``FEED_STAGES``-slot ring (full/empty mbarriers, ``st.async``
@@ -104,6 +110,9 @@ class MaskedGroupedGemmSm90:
         timeline buffer of ``flashgemm.trace`` (no signals)."""
         if trace and signal_mode is not None:
             raise ValueError("a trace build takes no signal_mode (the buffer replaces the signals)")
+        if config.split_last_round and signal_mode is not None:
+            # a tile's two halves finish on two CTAs; the signal counts tiles
+            raise ValueError("config.split_last_round builds take no signal_mode")
         self.config = config
         self.signal_mode = signal_mode
         self.trace = trace
@@ -267,7 +276,7 @@ class MaskedGroupedGemmSm90:
             lane_m = None
             if cutlass.const_expr(balance is not None and producer_claims is not None):
                 lane_m = MaskedTileScheduler.lane_masked_m(walk_args[0], walk_args[1])
-            sched = MaskedTileScheduler.create(*walk_args)
+            sched = MaskedTileScheduler.create(*walk_args, self.config.split_last_round)
             if cutlass.const_expr(balance is not None):
                 slot, barrier = balance
                 if cutlass.const_expr(producer_claims is not None):
@@ -299,6 +308,23 @@ class MaskedGroupedGemmSm90:
             unit = producer_next_unit(feed, claims, *producer_claims)
         sched.jump(unit)
         return claims + 1
+
+    def _consume(self, mma, read_state, release_state, work):
+        """One tile's mainloop on this consumer warpgroup; returns (read_state,
+        release_state) (the block-scaled loop keeps no separate release state)."""
+        ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, mSFB_nkl = mma
+        if cutlass.const_expr(self.block_scaled):
+            read_state = consume_tile_blockscaled(
+                ab_pipeline, read_state, tiled_mma, accumulators, acc_blocks,
+                tCrA, tCrB, k_tile_cnt, sSFA, rows, mSFB_nkl,
+                work.expert, work.n_block, self.tile_mnk[1],
+            )
+        else:
+            read_state, release_state = consume_tile(
+                ab_pipeline, read_state, release_state, tiled_mma, accumulators,
+                tCrA, tCrB, k_tile_cnt,
+            )
+        return read_state, release_state
 
     @cute.jit
     def _warm_l2_weights(
@@ -561,7 +587,7 @@ class MaskedGroupedGemmSm90:
                     index = cutlass.select_(work.n_block < num_n_blocks, index, Int32(-1))
                     sig_state = storer.store(
                         work.expert, work.m_block, work.n_block, work.valid_rows,
-                        index, mSignals, sig_pipeline, sig_state,
+                        index, mSignals, sig_pipeline, sig_state, work.half,
                     )
                     claims = self._to_next_unit(sched, feed, claims)
                     work = sched.work()
@@ -603,24 +629,24 @@ class MaskedGroupedGemmSm90:
                 sig_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, SIGNAL_STAGES
                 )
+            mma = (ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, mSFB_nkl)
             while work.is_valid:
-                if cutlass.const_expr(self.block_scaled):
-                    read_state = consume_tile_blockscaled(
-                        ab_pipeline, read_state, tiled_mma, accumulators, acc_blocks,
-                        tCrA, tCrB, k_tile_cnt, sSFA, rows, mSFB_nkl,
-                        work.expert, work.n_block, self.tile_mnk[1],
-                    )
+                if cutlass.const_expr(self.config.split_last_round):
+                    # a half unit: only the warpgroup that owns its 64 rows computes
+                    if (work.half < 0) | (work.half == warp_group_idx - 1):
+                        read_state, release_state = self._consume(mma, read_state, release_state, work)
+                    else:
+                        read_state, release_state = skip_tile(
+                            ab_pipeline, read_state, release_state, k_tile_cnt
+                        )
                 else:
-                    read_state, release_state = consume_tile(
-                        ab_pipeline, read_state, release_state, tiled_mma, accumulators,
-                        tCrA, tCrB, k_tile_cnt,
-                    )
+                    read_state, release_state = self._consume(mma, read_state, release_state, work)
                 if cutlass.const_expr(self.trace):
                     if consumer_tidx == 0 and tile_count < tr.MAX_TILES:
                         mSignals[trace_base + tr.TILE0 + 2 * tile_count] = cute.arch.globaltimer_lo()
                 sig_state = epi.store(
                     work.expert, work.m_block, work.n_block, work.valid_rows, n_total,
-                    sig_pipeline, sig_state,
+                    sig_pipeline, sig_state, work.half,
                 )
                 if cutlass.const_expr(self.trace):
                     if consumer_tidx == 0 and tile_count < tr.MAX_TILES:

@@ -338,6 +338,11 @@ def _make_plan(
     if grid_cap < cn:
         raise ValueError(f"config.cluster_n={cn} needs num_sms >= {cn}, got {grid_cap}")
     layout = None
+    if dst_signals is not None and config.split_last_round:
+        raise ValueError(
+            "config.split_last_round cannot publish dst_signals (the two halves of a split "
+            "tile finish on different CTAs); pass a config without it"
+        )
     if dst_signals is not None:
         layout = make_signal_layout(signal_granularity, max_m, n, config.tile_m, config.tile_n, e_count)
         validate_signals(dst_signals, layout, a.device)

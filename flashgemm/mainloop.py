@@ -122,6 +122,25 @@ def consume_tile(
 
 
 @cute.jit
+def skip_tile(
+    ab_pipeline: pipeline.PipelineTmaAsync,
+    read_state: pipeline.PipelineState,
+    release_state: pipeline.PipelineState,
+    k_tile_cnt: Int32,
+):
+    """The idle warpgroup of a half unit (``GemmConfig.split_last_round``):
+    every slot's empty barrier counts this warpgroup's warps too, so it waits
+    for each k-tile and gives it straight back, without a wgmma. Returns
+    (read_state, release_state), advanced as ``consume_tile`` leaves them."""
+    for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+        ab_pipeline.consumer_wait(read_state)
+        ab_pipeline.consumer_release(read_state)
+        read_state.advance()
+        release_state.advance()
+    return read_state, release_state
+
+
+@cute.jit
 def consume_tile_blockscaled(
     ab_pipeline: pipeline.PipelineTmaAsync,
     read_state: pipeline.PipelineState,

@@ -31,6 +31,11 @@ With ``GemmConfig.n_major`` the units are numbered n-group first instead
 (:class:`NMajorTileScheduler`), so each round mixes every expert; the same
 dealing, balancing and claiming apply to that numbering.
 
+With ``GemmConfig.split_last_round`` (static expert-major order) each role
+counts the units first; when the grid's last round would be at most half
+full, the cluster's index walks virtual units, and each unit of that round
+becomes two half units (``tail_start``, ``WorkTile.half``).
+
 ``tile_order`` is the pure-Python model of exactly these rules; the tests check
 the kernel's invariants against it.
 """
@@ -77,6 +82,37 @@ def active_clusters(units, clusters):
     return spread + keep_all * (clusters - spread)
 
 
+def tail_start(units, clusters):
+    """``GemmConfig.split_last_round``: the first unit of the grid's last
+    round when that round is at most half full (its units then run as two
+    half units each, one warpgroup per half), else ``units`` (nothing split).
+
+    Dealt round-robin, a cluster's virtual index v maps to unit v below the
+    returned start s, and from it on to half (v - s) % 2 of unit
+    s + (v - s) // 2, so the r last units become 2r half units on 2r <= G
+    clusters, the two halves of a unit on neighbouring clusters (they read
+    the same weight tile). On compute-bound tiles a half unit takes about
+    half as long: one warpgroup drove the tensor cores nearly as fast as
+    two (H100, 2026-11-24, ``ab_revision.py --set tile_m=64 --set
+    consumer_warpgroups=1``: bf16 dense-like 1.017), so a last round of a
+    few units costs about half a round instead of a whole one.
+
+    Integer arithmetic only, as ``active_clusters``.
+    """
+    full = (units // clusters) * clusters
+    rem = units - full
+    split = cutlass.min(rem, 1) * (1 - (2 * rem) // (clusters + 1))  # 1 when 0 < 2 rem <= G
+    return units - rem * split
+
+
+def split_unit(v: int, start: int) -> Tuple[int, int]:
+    """(unit, half) of virtual index ``v`` under ``tail_start`` ``start``;
+    half -1: the whole unit (the model's form of the walker's arithmetic)."""
+    if v < start:
+        return v, -1
+    return start + (v - start) // 2, (v - start) % 2
+
+
 def tile_order(
     masked_m: Sequence[int],
     max_m: int,
@@ -87,13 +123,17 @@ def tile_order(
     cluster_n: int = 1,
     balance: bool = False,
     n_major: bool = False,
-) -> List[List[Tuple[int, int, int]]]:
+    split: bool = False,
+) -> List[List[Tuple[int, ...]]]:
     """Model of the device scheduler: the (expert, m_block, n_block) list of each CTA.
 
     With ``cluster_n`` > 1, ``num_ctas`` must be a multiple of it; tiles whose
     n-block lies past N (computed, never stored) are left out. ``balance``:
     ``GemmConfig.balance_rounds``; ``n_major``: ``GemmConfig.n_major`` (units
-    numbered n-group first, :class:`NMajorTileScheduler`).
+    numbered n-group first, :class:`NMajorTileScheduler`); ``split``:
+    ``GemmConfig.split_last_round``, and the tiles are then (expert, m_block,
+    n_block, half), half -1 for a whole tile, 0 or 1 for the upper or lower
+    64 rows.
     """
     n_blocks = -(-n // tile_n)
     n_groups = -(-n_blocks // cluster_n)
@@ -105,11 +145,15 @@ def tile_order(
     num_clusters = num_ctas // cluster_n
     if balance:
         num_clusters = active_clusters(len(units), num_clusters)
+    if split:
+        start = tail_start(len(units), num_clusters)
+        virtual = len(units) + (len(units) - start)
+        units = [units[u] + (h,) for u, h in (split_unit(v, start) for v in range(virtual))]
     order = []
     for c in range(num_ctas):
         cluster, rank = divmod(c, cluster_n)
         mine = units[cluster::num_clusters] if cluster < num_clusters else []
-        tiles = [(e, mb, ng * cluster_n + rank) for e, mb, ng in mine]
+        tiles = [(e, mb, ng * cluster_n + rank, *rest) for e, mb, ng, *rest in mine]
         order.append([t for t in tiles if t[2] < n_blocks])
     return order
 
@@ -136,16 +180,20 @@ def _n_groups(num_n_blocks, cluster_n: int):
 class WorkTile:
     """One tile handed out by :class:`MaskedTileScheduler` (device values)."""
 
-    def __init__(self, expert, m_block, n_block, valid_rows, is_valid):
+    def __init__(self, expert, m_block, n_block, valid_rows, is_valid, half=None):
         self.expert = expert
         self.m_block = m_block
         self.n_block = n_block
         # rows of this tile that hold data: min(tile_m, m_e - m_block * tile_m)
         self.valid_rows = valid_rows
         self.is_valid = is_valid
+        # GemmConfig.split_last_round builds only: -1 for the whole tile, else
+        # the 64-row half (and consumer warpgroup) this CTA computes
+        self.half = half
 
     def _fields(self):
-        return [self.expert, self.m_block, self.n_block, self.valid_rows, self.is_valid]
+        fields = [self.expert, self.m_block, self.n_block, self.valid_rows, self.is_valid]
+        return fields if self.half is None else fields + [self.half]
 
     def __extract_mlir_values__(self):
         return extract_mlir_values(self._fields())
@@ -212,6 +260,7 @@ class MaskedTileScheduler(_ExpertRows):
         expert: Int32,
         tiles_before: Int32,
         expert_tiles: Int32,
+        split_from: Int32 = None,
     ):
         self.mMaskedM = mMaskedM
         self.num_experts = num_experts
@@ -225,6 +274,9 @@ class MaskedTileScheduler(_ExpertRows):
         self.expert = expert
         self.tiles_before = tiles_before
         self.expert_tiles = expert_tiles
+        # split_last_round: linear_idx is a virtual index, split from this
+        # unit on (``tail_start``); None in other builds
+        self.split_from = split_from
 
     # Only the walking state is carried through loops; the rest are SSA values
     # defined before the loop.
@@ -239,7 +291,7 @@ class MaskedTileScheduler(_ExpertRows):
         )
         return MaskedTileScheduler(
             self.mMaskedM, self.num_experts, self.max_m, self.num_n_blocks,
-            self.tile_m, self.num_ctas, self.cluster_n, self.cta_rank, li, ex, tb, et,
+            self.tile_m, self.num_ctas, self.cluster_n, self.cta_rank, li, ex, tb, et, self.split_from,
         )
 
     @staticmethod
@@ -266,14 +318,20 @@ class MaskedTileScheduler(_ExpertRows):
         grid_size: Int32,
         cluster_n: int = 1,
         cta_rank: Int32 = 0,
+        split_last_round: bool = False,
     ) -> "MaskedTileScheduler":
         """num_n_blocks: n-blocks of the output; block_idx / grid_size: this CTA
-        and the grid (a multiple of cluster_n); cta_rank: rank in the cluster."""
+        and the grid (a multiple of cluster_n); cta_rank: rank in the cluster.
+        split_last_round: count the launch's units first (one warp's loads of
+        masked_m, every lane of the calling warp here) for ``tail_start``."""
         num_n_groups = _n_groups(num_n_blocks, cluster_n)
         sched = MaskedTileScheduler(
             mMaskedM, num_experts, max_m, num_n_groups, tile_m, grid_size // cluster_n,
             cluster_n, Int32(cta_rank), Int32(block_idx // cluster_n), Int32(0), Int32(0), Int32(0),
         )
+        if cutlass.const_expr(split_last_round):
+            units = sched._warp_m_blocks(sched.lane_masked_m(mMaskedM, num_experts)) * num_n_groups
+            sched.split_from = tail_start(units, sched.num_ctas)
         sched.expert_tiles = sched._tiles_of(Int32(0))
         sched._seek()
         return sched
@@ -299,10 +357,18 @@ class MaskedTileScheduler(_ExpertRows):
     def _tiles_of(self, e: Int32) -> Int32:
         return self._m_blocks(self._rows_of(e)) * self.num_n_blocks
 
+    def _unit(self) -> Int32:
+        """The unit linear_idx names: itself, or with ``split_from`` the unit
+        of a virtual index (``split_unit``)."""
+        if cutlass.const_expr(self.split_from is None):
+            return self.linear_idx
+        past = cutlass.max(self.linear_idx - self.split_from, Int32(0))
+        return self.linear_idx - (past - past // 2)
+
     @cute.jit
     def _seek(self):
-        # Move forward to the expert that holds linear_idx (or past the last).
-        linear_idx = self.linear_idx
+        # Move forward to the expert that holds the unit (or past the last).
+        linear_idx = self._unit()
         expert = self.expert
         tiles_before = self.tiles_before
         expert_tiles = self.expert_tiles
@@ -315,7 +381,7 @@ class MaskedTileScheduler(_ExpertRows):
         self.expert_tiles = expert_tiles
 
     def work(self) -> WorkTile:
-        local = self.linear_idx - self.tiles_before
+        local = self._unit() - self.tiles_before
         # expert_tiles = m_blocks * num_n_groups; at least 1 m-block when valid
         m_blocks = cutlass.max(self.expert_tiles // self.num_n_blocks, Int32(1))
         n_group = local // m_blocks
@@ -323,8 +389,12 @@ class MaskedTileScheduler(_ExpertRows):
         n_block = n_group * self.cluster_n + self.cta_rank
         rows = self._rows_of(self.expert)
         valid_rows = cutlass.min(rows - m_block * self.tile_m, Int32(self.tile_m))
+        half = None
+        if cutlass.const_expr(self.split_from is not None):
+            past = self.linear_idx - self.split_from
+            half = cutlass.select_(past < 0, Int32(-1), cutlass.max(past, Int32(0)) % 2)
         return WorkTile(
-            self.expert, m_block, n_block, valid_rows, self.expert < self.num_experts
+            self.expert, m_block, n_block, valid_rows, self.expert < self.num_experts, half
         )
 
     def advance(self):

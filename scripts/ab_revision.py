@@ -110,7 +110,7 @@ def main():
         if field not in kinds:
             p.error(f"--set {item}: GemmConfig has no field {field!r}")
         changes[field] = bool(int(value)) if kinds[field] == "bool" else int(value)
-    if changes.get("dynamic"):  # the dynamic order claims instead of balancing
+    if changes.get("dynamic") or changes.get("split_last_round"):  # instead of balancing
         changes.setdefault("balance_rounds", False)
     if args.base:
         sys.path.insert(0, os.path.abspath(args.base))

@@ -7,6 +7,7 @@ import pytest
 from flashgemm.config import (
     DECODE_128_CONFIG,
     DECODE_CONFIG,
+    FP8_HEURISTIC_CONFIGS,
     HEURISTIC_CONFIGS,
     MID_192_CONFIG,
     MID_CONFIG,
@@ -85,6 +86,25 @@ def test_dynamic_order_only_for_the_smallest_m(fp8):
         assert not choose_config(m, 4096, 4096, 7168, 132, fp8=fp8, num_experts=16).dynamic
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_prefill_splits_its_last_round_unless_signalled(fp8):
+    """Prefill tiles (expected_m > 256) split a last round at most half full
+    (compute-bound units); decode and mid tiles stream weights, where half a
+    unit reads as many bytes, and keep it whole. With completion signals the
+    heuristic runs the same tile unsplit; that config is precompiled too."""
+    configs = FP8_HEURISTIC_CONFIGS if fp8 else HEURISTIC_CONFIGS
+    for m in (257, 1024, 4096):
+        cfg = choose_config(m, 4096, 4096, 7168, 132, fp8=fp8, num_experts=4)
+        signalled = choose_config(m, 4096, 4096, 7168, 132, fp8=fp8, num_experts=4, signals=True)
+        assert cfg.split_last_round
+        assert signalled == replace(cfg, split_last_round=False, balance_rounds=fp8)
+        assert cfg in configs and signalled in configs
+        assert replace(cfg, cluster_n=1) in configs
+    for m in (1, 32, 64, 128, 256):
+        assert not choose_config(m, 4096, 4096, 7168, 132, fp8=fp8, num_experts=8).split_last_round
+    assert GemmConfig(split_last_round=True).short_name() != GemmConfig().short_name()
+
+
 def test_bf16_192_row_tile_width_follows_the_rounds():
     """expected_m 97..144 (bf16): 192x128 where its rounds, at WIDE_UNIT_COST
     per half of a unit, beat 192x64's; the measured cases of config.py."""
@@ -132,9 +152,18 @@ def test_fp8_heuristic_regimes():
     assert not choose_config(197, 4096, 4096, 7168, 132, fp8=True).l2_hints  # three m-blocks
     assert choose_config(128, 4096, 7168, 2048, 132, fp8=True) == replace(FP8_MID_CONFIG, l2_hints=True)
     assert choose_config(128, 4096, 4096, 7168, 132, fp8=True) == replace(FP8_MID_CONFIG, l2_hints=True)
-    # prefill: the same tile in the expert-major order; up to 256 rows n-major
+    # prefill: the same tile in the expert-major order, a last round at most
+    # half full split instead of balanced; up to 256 rows n-major
     assert choose_config(1024, 4096, 4096, 7168, 132, fp8=True) == FP8_PREFILL_CONFIG
-    assert FP8_PREFILL_CONFIG == replace(FP8_MID_CONFIG, n_major=False) and FP8_MID_CONFIG.n_major
+    assert FP8_PREFILL_CONFIG == replace(
+        FP8_MID_CONFIG, n_major=False, balance_rounds=False, split_last_round=True
+    ) and FP8_MID_CONFIG.n_major
+    # with signals the last round stays whole (a signal counts whole tiles)
+    # and is balanced, as before the split
+    signalled = choose_config(1024, 4096, 4096, 7168, 132, fp8=True, signals=True)
+    assert signalled == replace(FP8_MID_CONFIG, n_major=False)
+    assert signalled in FP8_HEURISTIC_CONFIGS and FP8_PREFILL_CONFIG in FP8_HEURISTIC_CONFIGS
+    assert not any(c.split_last_round for c in FP8_HEURISTIC_CONFIGS if c.tile_m == 64 or c.n_major)
     assert choose_config(256, 4096, 4096, 7168, 132, fp8=True).n_major
     assert not choose_config(257, 4096, 4096, 7168, 132, fp8=True).n_major
     assert not FP8_DECODE_CONFIG.n_major
@@ -178,9 +207,10 @@ def test_fp8_wave_rule_picks_narrow_tiles_only_for_a_nearly_empty_last_round():
     assert wave_efficiency(FP8_MID_CONFIG, c["E"], c["expected_m"], c["N"], 132) == pytest.approx(96 / 132)
     assert pick("qwen3-30b-ep8-gate_up") == replace(FP8_MID_N64_CONFIG, l2_hints=True)
     # rounds already full with 128x128: keep it (64-wide tiles re-read A twice as often)
-    for name in ("dsv3-ep32-gate_up", "dsv3-ep32-down", "qwen3-235b-ep8-gate_up", "qwen3-235b-ep8-down",
-                 "dsv3-prefill-gate_up"):
+    for name in ("dsv3-ep32-gate_up", "dsv3-ep32-down", "qwen3-235b-ep8-gate_up", "qwen3-235b-ep8-down"):
         assert replace(pick(name), l2_hints=False, n_major=True) == FP8_MID_CONFIG, name
+    assert replace(pick("dsv3-prefill-gate_up"), n_major=True, balance_rounds=True,
+                   split_last_round=False) == FP8_MID_CONFIG
     # experts of up to 166 rows span two m-blocks there, whose 2 x 28 (down) and
     # 2 x 16 (gate_up) units fit one round of 66 clusters: hinted
     assert pick("dsv3-ep32-down").l2_hints and pick("dsv3-ep32-gate_up").l2_hints

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flashgemm.reference import grouped_gemm_nt_masked_ref
-from flashgemm.scheduler import active_clusters, tile_order, valid_tiles
+from flashgemm.scheduler import active_clusters, split_unit, tail_start, tile_order, valid_tiles
 
 MAX_MS = (1, 63, 64, 65, 200, 1024)
 NS = (8, 120, 128, 136, 4096)
@@ -463,6 +463,126 @@ def test_walker_empty_experts_and_guard():
     masked_m = [0, -3, 10**6, 0, 0]
     assert walk(masked_m, 65, 136, 64, 64, 7) == tile_order(masked_m, 65, 136, 64, 64, 7)
     assert walk([0] * 5, 64, 128, 64, 128, 3) == [[], [], []]
+
+
+# ---------------------------------------------------------------------------
+# GemmConfig.split_last_round: a last round at most half full runs in halves
+# ---------------------------------------------------------------------------
+
+
+class SplitWalkerModel(WalkerModel):
+    """MaskedTileScheduler with ``split_from``: linear_idx is a virtual index;
+    the unit and half come from the device's arithmetic (``_unit``, ``work``),
+    not from ``split_unit``, which the model ``tile_order`` uses."""
+
+    def __init__(self, masked_m, max_m, num_n_blocks, tile_m, block_idx, grid_size, cluster_n=1, cta_rank=0,
+                 balance=False):
+        assert not balance
+        probe = WalkerModel(masked_m, max_m, num_n_blocks, tile_m, 0, grid_size, cluster_n, 0)
+        units = sum(probe._tiles_of(e) for e in range(len(masked_m)))  # the warp's count
+        self.split_from = tail_start(units, grid_size // cluster_n)
+        super().__init__(masked_m, max_m, num_n_blocks, tile_m, block_idx, grid_size, cluster_n, cta_rank)
+
+    def _unit(self):
+        if not hasattr(self, "split_from"):  # (during WalkerModel.__init__'s first seek)
+            raise AssertionError("split_from must be set before the first seek")
+        past = max(self.linear_idx - self.split_from, 0)
+        return self.linear_idx - (past - past // 2)
+
+    def _seek(self):
+        while self.expert < self.num_experts and self._unit() >= self.tiles_before + self.expert_tiles:
+            self.tiles_before += self.expert_tiles
+            self.expert += 1
+            self.expert_tiles = self._tiles_of(self.expert)
+
+    def work(self):
+        saved = self.linear_idx
+        self.linear_idx = self._unit()  # WalkerModel.work reads the unit from linear_idx
+        e, mb, nb, valid_rows, ok = super().work()
+        self.linear_idx = saved
+        past = self.linear_idx - self.split_from
+        return e, mb, nb, valid_rows, ok, (-1 if past < 0 else max(past, 0) % 2)
+
+
+def walk_split(masked_m, max_m, n, tile_m, tile_n, num_ctas, cluster_n=1):
+    n_blocks = cdiv(n, tile_n)
+    per_cta = []
+    for c in range(num_ctas):
+        w = SplitWalkerModel(masked_m, max_m, n_blocks, tile_m, c, num_ctas, cluster_n, c % cluster_n)
+        tiles = []
+        e, mb, nb, valid_rows, ok, half = w.work()
+        while ok:
+            assert 1 <= valid_rows <= tile_m
+            if nb < n_blocks:
+                tiles.append((e, mb, nb, half))
+            w.advance()
+            e, mb, nb, valid_rows, ok, half = w.work()
+        assert w.expert == len(masked_m)
+        per_cta.append(tiles)
+    return per_cta
+
+
+def test_tail_start_by_hand():
+    assert tail_start(272, 66) == 264  # bf16 dsv3-prefill-gate_up: 4 rounds + 8 -> 8 units in 16 halves
+    assert tail_start(256, 66) == 256  # dense-like: last round 58 of 66, kept whole
+    assert tail_start(99, 66) == 66  # 33: exactly half, split into 66 halves
+    assert tail_start(100, 66) == 100  # 34: over half
+    assert tail_start(132, 66) == 132  # full rounds
+    assert tail_start(10, 66) == 0  # one small round: every unit in halves, 20 clusters busy
+    assert tail_start(0, 66) == 0
+    assert tail_start(1, 1) == 1  # one cluster: halves would only run one after the other
+    assert [split_unit(v, 4) for v in range(4, 8)] == [(4, 0), (4, 1), (5, 0), (5, 1)]
+    assert split_unit(3, 4) == (3, -1)
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_split_walker_matches_tile_order_and_covers_every_row_once(chunk):
+    """The walker's arithmetic is the model; each valid tile runs whole
+    exactly once or as both of its halves; halves only in the last round,
+    both halves of a unit on neighbouring clusters, and no cluster runs more
+    units than the unsplit order's busiest."""
+    triggered = 0
+    for case in CASES[chunk::4][:80]:
+        masked_m, max_m, n, tile_m, tile_n, num_ctas = case
+        tile_m = 128  # two consumer warpgroups
+        for cluster_n in (1, 2):
+            grid = cluster_n * max(1, num_ctas // cluster_n)
+            args = (masked_m, max_m, n, tile_m, tile_n, grid)
+            order = tile_order(*args, cluster_n=cluster_n, split=True)
+            assert walk_split(*args, cluster_n=cluster_n) == order, case_id(case)
+            got = Counter(t for cta in order for t in cta)
+            assert all(c == 1 for c in got.values()), case_id(case)
+            whole = {t[:3] for t in got if t[3] == -1}
+            halves = Counter(t[:3] for t in got if t[3] >= 0)
+            assert not whole & set(halves) and all(c == 2 for c in halves.values()), case_id(case)
+            assert {t[3] for t in got} <= {-1, 0, 1}
+            assert whole | set(halves) == valid_tiles(masked_m, max_m, n, tile_m, tile_n), case_id(case)
+            plain = tile_order(*args, cluster_n=cluster_n)
+            assert max(map(len, order)) == max(map(len, plain)), case_id(case)
+            if halves:
+                triggered += 1
+                rounds = max(map(len, order))
+                for c, tiles in enumerate(order[::cluster_n]):  # rank 0: never clipped at N
+                    c *= cluster_n
+                    assert all(t[3] == -1 for t in tiles[: rounds - 1]), case_id(case)
+                    if tiles and tiles[-1][3] >= 0:
+                        # the other half on the neighbouring cluster, same tile
+                        peer = order[c + cluster_n if tiles[-1][3] == 0 else c - cluster_n][-1]
+                        assert peer[:3] == tiles[-1][:3] and peer[3] == 1 - tiles[-1][3], case_id(case)
+    assert triggered >= 5
+
+
+def test_split_order_by_hand():
+    # e0: 3 rows (1 m-block), e2: 130 rows (2 m-blocks), 2 n-blocks each: 6
+    # units on 4 CTAs; the last round (2 units) is half full: 4 halves
+    order = tile_order([3, 0, 500], 130, 256, 128, 128, 4, split=True)
+    assert order == [
+        [(0, 0, 0, -1), (2, 0, 1, 0)],
+        [(0, 0, 1, -1), (2, 0, 1, 1)],
+        [(2, 0, 0, -1), (2, 1, 1, 0)],
+        [(2, 1, 0, -1), (2, 1, 1, 1)],
+    ]
+    assert walk_split([3, 0, 500], 130, 256, 128, 128, 4) == order
 
 
 # ---------------------------------------------------------------------------

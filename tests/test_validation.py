@@ -459,6 +459,11 @@ def test_public_unsupported_config_on_cpu():
         (GemmConfig(stages=-1), r"config\.stages must be >= 0"),
         (GemmConfig(stages=1), r"at least 2 pipeline stages"),
         (GemmConfig(stages=20), r"shared\s+memory"),
+        (GemmConfig(tile_m=64, consumer_warpgroups=1, split_last_round=True),
+         r"config\.split_last_round runs each half .* consumer_warpgroups=1"),
+        (GemmConfig(split_last_round=True, dynamic=True), r"config\.split_last_round applies to the static"),
+        (GemmConfig(split_last_round=True, balance_rounds=True), r"turn off config\.dynamic"),
+        (GemmConfig(split_last_round=True, n_major=True), r"expert-major order"),
     ],
 )
 def test_config_validate_rejects(cfg, pattern):
@@ -673,6 +678,21 @@ def test_check_no_alias_names_the_first_overlap():
     with pytest.raises(ValueError, match="^x must not overlap given in memory$"):
         check_no_alias("x", span, {"given": (buf.data_ptr() + 12, buf.data_ptr() + 20)})
     check_no_alias("x", span, {"adjacent": buf[4:8]})  # touching, not overlapping
+
+
+def test_split_last_round_config_with_signals_rejected_before_compiling(monkeypatch):
+    # a split tile's two halves finish on two CTAs: no tile count to publish
+    from flashgemm import compile as fg_compile
+    from flashgemm import launcher
+
+    monkeypatch.setattr(launcher, "validate_device", lambda *args, **kw: 132)
+    a, b, out, mm = make()
+    sig = torch.zeros(64, dtype=torch.int32)
+    cfg = GemmConfig(cluster_n=2, split_last_round=True)
+    before = fg_compile.compile_count
+    with pytest.raises(ValueError, match=r"^config\.split_last_round cannot publish dst_signals"):
+        launcher._make_plan(a, b, out, mm, None, None, None, None, cfg, sig, "expert")
+    assert fg_compile.compile_count == before
 
 
 @pytest.mark.parametrize("victim", ["a", "out", "masked_m"])
