@@ -109,7 +109,7 @@ class GemmConfig:
 
     def __post_init__(self):
         # The launcher hashes the config into its plan key on every call; the
-        # generated hash (a tuple of all 13 fields then) cost 0.2-0.36 us of a
+        # generated hash (a tuple of every field, 13 at the time) cost 0.2-0.36 us of a
         # 2-3 us call on the development CPU, so it is computed once.
         object.__setattr__(
             self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))

@@ -629,7 +629,9 @@ class MaskedGroupedGemmSm90:
                 sig_state = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.Producer, SIGNAL_STAGES
                 )
-            mma = (ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, mSFB_nkl)
+            mma = (
+                ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, mSFB_nkl,
+            )
             while work.is_valid:
                 if cutlass.const_expr(self.config.split_last_round):
                     # a half unit: only the warpgroup that owns its 64 rows computes
