@@ -330,7 +330,7 @@ class MaskedTileScheduler(_ExpertRows):
             cluster_n, Int32(cta_rank), Int32(block_idx // cluster_n), Int32(0), Int32(0), Int32(0),
         )
         if cutlass.const_expr(split_last_round):
-            units = sched._warp_m_blocks(sched.lane_masked_m(mMaskedM, num_experts)) * num_n_groups
+            units = sched._warp_units(sched.lane_masked_m(mMaskedM, num_experts))
             sched.split_from = tail_start(units, sched.num_ctas)
         sched.expert_tiles = sched._tiles_of(Int32(0))
         sched._seek()
@@ -341,12 +341,17 @@ class MaskedTileScheduler(_ExpertRows):
     # alongside the walker's own seek, then ``count_active_clusters``) and
     # hands the result to the CTA's other roles, which only ``keep_active`` it.
 
+    def _warp_units(self, lane_m: Int32) -> Int32:
+        """This launch's unit count, m-blocks times n-groups (warp-collective;
+        ``lane_m`` as for ``_warp_m_blocks``): what ``balance_rounds`` and
+        ``split_last_round`` both start from."""
+        return self._warp_m_blocks(lane_m) * self.num_n_blocks
+
     @cute.jit
     def count_active_clusters(self, lane_m: Int32) -> Int32:
         """``active_clusters`` of this launch's unit count (every lane of the
         calling warp must be here; ``lane_m`` as for ``_warp_m_blocks``)."""
-        units = self._warp_m_blocks(lane_m) * self.num_n_blocks
-        return active_clusters(units, self.num_ctas)
+        return active_clusters(self._warp_units(lane_m), self.num_ctas)
 
     def keep_active(self, active: Int32):
         """Walk with stride ``active``; a cluster at or past it gets no unit
