@@ -328,6 +328,12 @@ _REGIME_CONFIGS = (
 # Block-scaled fp8: 128-deep stages (one scale block each). Two accumulator
 # sets per thread (running sum + one k-block's products) cap tile_n at 192,
 # so prefill keeps the 128x128 tile. See choose_config for the measurements.
+# Two builds that hold more rows per weight tile were timed and removed (H100,
+# 2026-11-24, docs/benchmarks.md): 256x128 with two 64-row slabs per
+# warpgroup, promoted one after the other through one product set, ran
+# 1.000-1.016 of 128x128 per FLOP on prefill and 1.16-1.41 on dsv3-ep32;
+# 192x128 on three warpgroups with one product set, 0.993-1.487 on the mid
+# cases.
 FP8_DECODE_CONFIG = GemmConfig(
     tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1, cluster_n=2, l2_hints=True, dynamic=True
 )

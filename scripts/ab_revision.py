@@ -22,6 +22,9 @@ the other side is the working tree's unchanged heuristic config:
 
     python scripts/ab_revision.py --set dynamic=1 --dist uniform skewed
 
+With ``--base`` and ``--both`` the changes apply to both sides (a kernel
+change timed on a config the heuristic does not pick).
+
 ``--shape E,MAX_M,EXPECTED_M,N,K`` (repeatable) runs shapes outside the case
 file, drawn the same way (without ``--cases``, only those).
 
@@ -48,31 +51,33 @@ from bench import (  # noqa: E402
 )
 
 
-def tree_config(case, fp8, changes, num_sms=None):
-    """The working tree's heuristic config for a case with ``changes`` applied
-    (None: no changes, let the call choose)."""
+def tree_config(case, fp8, changes, num_sms=None, package=flashgemm):
+    """A package's (the working tree's) heuristic config for a case with
+    ``changes`` applied (None: no changes, let the call choose)."""
     if not changes:
         return None
-    cfg = flashgemm.choose_config(
+    cfg = package.choose_config(
         case["expected_m"], case["max_m"], case["N"], case["K"],
         num_sms or torch.cuda.get_device_properties(0).multi_processor_count, fp8, case["E"],
     )
     return dataclasses.replace(cfg, **changes)
 
 
-def compare_case(base, case, seed, fp8, dist, rounds, reps, changes=None, num_sms=None):
+def compare_case(base, case, seed, fp8, dist, rounds, reps, changes=None, num_sms=None, base_changes=None):
     e, max_m, n, em = case["E"], case["max_m"], case["N"], case["expected_m"]
     masked_m = draw_masked_m(case, seed, dist).cuda()
     a, b, a_scale, b_scale = case_operands(case, seed, fp8)
     outs = [torch.full((e, max_m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     cfg = tree_config(case, fp8, changes, num_sms)
+    base_cfg = tree_config(case, fp8, base_changes, num_sms, base)
     fns = [
         lambda: flashgemm.grouped_gemm_nt_masked(
             a, b, outs[0], masked_m, expected_m=em, a_scale=a_scale, b_scale=b_scale, config=cfg,
             num_sms=num_sms,
         ),
         lambda: base.grouped_gemm_nt_masked(
-            a, b, outs[1], masked_m, expected_m=em, a_scale=a_scale, b_scale=b_scale, num_sms=num_sms
+            a, b, outs[1], masked_m, expected_m=em, a_scale=a_scale, b_scale=b_scale, config=base_cfg,
+            num_sms=num_sms,
         ),
     ]
     for f in fns:
@@ -92,6 +97,8 @@ def main():
                    "(default: the working tree itself, with its unchanged heuristic config)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="change a GemmConfig field of the working tree's heuristic config (ints)")
+    p.add_argument("--both", action="store_true",
+                   help="with --base: apply the --set changes to the base's heuristic config too")
     p.add_argument("--cases", nargs="*", help="case names (default: the decode cases)")
     p.add_argument("--dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     p.add_argument("--dist", nargs="+", choices=DISTRIBUTIONS, default=["uniform"])
@@ -142,7 +149,7 @@ def main():
                 # seed = the case's place in the file, as in bench.py
                 ours, theirs, ratio = compare_case(
                     base, case, spec["cases"].index(case), dtype == "fp8", dist, args.rounds, args.reps, changes,
-                    args.num_sms,
+                    args.num_sms, changes if args.both and args.base else None,
                 )
                 print(f"| {dtype} | {dist} | {case['name']} | {ours:.1f} | {theirs:.1f} | {ratio:.3f} |", flush=True)
 

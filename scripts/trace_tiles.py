@@ -10,6 +10,8 @@ case of ``moe_cases.json`` with the benchmark's masked_m, and prints:
   mainloop, from the producer's start (pipeline fill included);
 * ``steady`` / ``tail``: median time from one tile's epilogue end to the next
   tile's mainloop end, for tiles starting before / after the median CTA end;
+  ``epilogue``: median time from a tile's mainloop end to its epilogue end
+  (the consumers' part: staging, or the stores of a partial tile);
 * ``end med/max``: when the median and the last CTA finished; the gap is the
   last, partly empty wave;
 * the number of busy CTAs in every 5 us window.
@@ -77,11 +79,12 @@ def trace_case(case, seed, fp8, num_sms=None):
 def summarize(t):
     ends = t["consumer_end"]
     end_med = statistics.median(ends)
-    first, steady, tail = [], [], []
+    first, steady, tail, epilogue = [], [], [], []
     for c, tiles in enumerate(t["tile_times"]):
         prev = t["producer_start"][c]
         for i, (mainloop_end, epi_end) in enumerate(tiles):
             (first if i == 0 else tail if prev >= end_med - 2000 else steady).append(mainloop_end - prev)
+            epilogue.append(epi_end - mainloop_end)
             prev = epi_end
     med = lambda xs: statistics.median(xs) / 1e3 if xs else float("nan")  # noqa: E731
     busy = [sum(1 for x in ends if x > w) for w in range(0, max(ends), 5000)]
@@ -92,6 +95,7 @@ def summarize(t):
         "steady_us": med(steady),
         "tail_us": med(tail),
         "tail_tiles": len(tail),
+        "epilogue_us": med(epilogue),
         "end_med_us": end_med / 1e3,
         "end_max_us": max(ends) / 1e3,
         "tiles_per_cta": (min(t["tiles"]), max(t["tiles"])),
@@ -118,7 +122,7 @@ def main():
             print(
                 f"  launch {event_us:.1f} us | spread {s['spread_us']:.2f} | producer start "
                 f"{s['producer_start_us']:.2f} | first {s['first_us']:.1f} | steady {s['steady_us']:.1f} | "
-                f"tail {s['tail_us']:.1f} ({s['tail_tiles']} tiles) | end med {s['end_med_us']:.1f} "
+                f"tail {s['tail_us']:.1f} ({s['tail_tiles']} tiles) | epilogue {s['epilogue_us']:.2f} | end med {s['end_med_us']:.1f} "
                 f"max {s['end_max_us']:.1f} | tiles/CTA {s['tiles_per_cta'][0]}-{s['tiles_per_cta'][1]}"
             )
             print(f"  busy CTAs per 5 us: {s['busy_ctas_per_5us']}")
