@@ -122,7 +122,8 @@ def main():
             print(
                 f"  launch {event_us:.1f} us | spread {s['spread_us']:.2f} | producer start "
                 f"{s['producer_start_us']:.2f} | first {s['first_us']:.1f} | steady {s['steady_us']:.1f} | "
-                f"tail {s['tail_us']:.1f} ({s['tail_tiles']} tiles) | epilogue {s['epilogue_us']:.2f} | end med {s['end_med_us']:.1f} "
+                f"tail {s['tail_us']:.1f} ({s['tail_tiles']} tiles) | epilogue {s['epilogue_us']:.2f} | "
+                f"end med {s['end_med_us']:.1f} "
                 f"max {s['end_max_us']:.1f} | tiles/CTA {s['tiles_per_cta'][0]}-{s['tiles_per_cta'][1]}"
             )
             print(f"  busy CTAs per 5 us: {s['busy_ctas_per_5us']}")
