@@ -108,6 +108,8 @@ def main():
     p.add_argument("--shape", action="append", default=[], metavar="E,MAX_M,EXPECTED_M,N,K",
                    help="also run this ad hoc case (seeded by its place after the file's cases)")
     args = p.parse_args()
+    if args.both and not args.base:
+        p.error("--both applies the --set changes to the --base side too; give --base")
     if not torch.cuda.is_available():
         sys.exit("ab_revision.py needs a CUDA GPU")
     kinds = {f.name: f.type for f in dataclasses.fields(flashgemm.GemmConfig)}  # "int" / "bool"
@@ -149,7 +151,7 @@ def main():
                 # seed = the case's place in the file, as in bench.py
                 ours, theirs, ratio = compare_case(
                     base, case, spec["cases"].index(case), dtype == "fp8", dist, args.rounds, args.reps, changes,
-                    args.num_sms, changes if args.both and args.base else None,
+                    args.num_sms, changes if args.both else None,
                 )
                 print(f"| {dtype} | {dist} | {case['name']} | {ours:.1f} | {theirs:.1f} | {ratio:.3f} |", flush=True)
 

@@ -67,8 +67,6 @@ def test_short_name_distinguishes_configs():
     assert len(names) == len(HEURISTIC_CONFIGS)
     assert GemmConfig(l2_hints=True).short_name() != GemmConfig().short_name()
     assert GemmConfig(n_major=True).short_name() != GemmConfig().short_name()
-    from flashgemm.config import FP8_HEURISTIC_CONFIGS
-
     fp8_names = {c.short_name() for c in FP8_HEURISTIC_CONFIGS}
     assert len(fp8_names) == len(FP8_HEURISTIC_CONFIGS)
     assert GemmConfig(dynamic=True).short_name() != GemmConfig().short_name()
