@@ -67,6 +67,10 @@ class GemmConfig:
         the grid's last round at most half full, each of its units runs as
         two half units on two clusters, one warpgroup each
         (``scheduler.tail_start``).
+    a_chunk_rows: 0, or load the A tile as boxes of this many rows and
+        fetch only those that hold a valid row (``mainloop.produce_tile``);
+        the others are read from past ``max_m``, which the TMA unit fills
+        with zeros without touching memory.
     """
 
     tile_m: int = 128
@@ -106,6 +110,10 @@ class GemmConfig:
     # on an otherwise idle GPU; halving them halves that tail (measurements
     # in scheduler.tail_start).
     split_last_round: bool = False
+    # A decode tile past m_e holds rows nobody stores: an expert of 146 rows
+    # in 128-row tiles loads 110 rows of A for nothing in its second m-block,
+    # and every cluster of n-blocks loads them again from L2.
+    a_chunk_rows: int = 0
 
     def __post_init__(self):
         # The launcher hashes the config into its plan key on every call; the
@@ -228,6 +236,13 @@ class GemmConfig:
                 "config.split_last_round applies to the static expert-major order; "
                 "turn off config.dynamic, config.balance_rounds and config.n_major"
             )
+        if self.a_chunk_rows and (
+            self.a_chunk_rows not in (16, 32, 64) or self.tile_m % (self.a_chunk_rows * self.cluster_n)
+        ):
+            raise ValueError(
+                "config.a_chunk_rows must be 0, or 16, 32 or 64 dividing tile_m / cluster_n "
+                f"({self.tile_m} / {self.cluster_n}), got {self.a_chunk_rows}"
+            )
         if self.cluster_m != 1 or self.cluster_n not in (1, 2):
             raise ValueError(
                 f"config cluster shape ({self.cluster_m}, {self.cluster_n}) is not supported; "
@@ -259,6 +274,7 @@ class GemmConfig:
             + ("" if self.l2_warmup else "-nowarm") + ("-po" if self.promote_overlap else "")
             + ("-bal" if self.balance_rounds else "") + ("-nmaj" if self.n_major else "")
             + ("-split" if self.split_last_round else "")
+            + (f"-ac{self.a_chunk_rows}" if self.a_chunk_rows else "")
         )
 
 
@@ -287,16 +303,28 @@ class GemmConfig:
 # dsv3-ep32-down 0.968 uniform / 0.964 skewed, the other 128x128 cases
 # 0.996-1.010. The other tiles gained nothing there (bf16 0.969-1.018, fp8
 # 128x64 0.980-1.020) and keep the count off their start.
+# Every tile up to expected_m 256 loads A in 32-row chunks and skips the
+# chunks with no valid row (a_chunk_rows): a partial m-block then reads only
+# its rows, from HBM once and from L2 once per cluster of n-blocks.
+# Paired A/B on H100, 2026-11-24 (`ab_revision.py --set a_chunk_rows=32`,
+# bit-identical outputs, uniform routing): bf16 decode 0.975-1.008
+# (qwen3-235b-ep8 0.975-0.976), fp8 0.971-0.999 (dsv3-ep32-gate_up 98.7 ->
+# 95.6 us). 16-row chunks gained no more and cost the 192-row bf16 tile six
+# loads per k-tile (dsv3-ep32-down 1.081). Reading the empty chunks from
+# past max_m instead, which the TMA unit fills with zeros at the same byte
+# count, ran 1.02-1.42x slower than loading every row.
+A_CHUNK_ROWS = 32
 DECODE_CONFIG = GemmConfig(
-    tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2, l2_hints=True, dynamic=True
+    tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2, l2_hints=True, dynamic=True,
+    a_chunk_rows=A_CHUNK_ROWS,
 )
 DECODE_128_CONFIG = GemmConfig(
-    tile_m=128, tile_n=64, consumer_warpgroups=2, cluster_n=2, l2_hints=True
+    tile_m=128, tile_n=64, consumer_warpgroups=2, cluster_n=2, l2_hints=True, a_chunk_rows=A_CHUNK_ROWS
 )
 # expected_m 97..144: m_e stays under 192 (+30%), so a 192-row tile holds each
 # expert in one m-block where 128-row tiles cut most of them in two.
 MID_192_CONFIG = GemmConfig(
-    tile_m=192, tile_n=64, consumer_warpgroups=3, cluster_n=2, l2_hints=True
+    tile_m=192, tile_n=64, consumer_warpgroups=3, cluster_n=2, l2_hints=True, a_chunk_rows=A_CHUNK_ROWS
 )
 # The same rows, 128 columns: half the units, each reading A once for twice
 # the columns. Paired A/B on H100, 2026-11-24 (`ab_revision.py --set
@@ -308,7 +336,8 @@ MID_192_CONFIG = GemmConfig(
 MID_192_N128_CONFIG = dataclasses.replace(MID_192_CONFIG, tile_n=128)
 WIDE_UNIT_COST = 0.93
 MID_CONFIG = GemmConfig(
-    tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n=2, balance_rounds=True
+    tile_m=128, tile_n=128, consumer_warpgroups=2, cluster_n=2, balance_rounds=True,
+    a_chunk_rows=A_CHUNK_ROWS,
 )
 # Prefill splits a last round that is at most half full into half units
 # (split_last_round). Paired A/B on H100, 2026-11-24 (`ab_revision.py --set
@@ -335,7 +364,8 @@ _REGIME_CONFIGS = (
 # 192x128 on three warpgroups with one product set, 0.993-1.487 on the mid
 # cases.
 FP8_DECODE_CONFIG = GemmConfig(
-    tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1, cluster_n=2, l2_hints=True, dynamic=True
+    tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1, cluster_n=2, l2_hints=True, dynamic=True,
+    a_chunk_rows=A_CHUNK_ROWS,
 )
 # K >= 4096: 64-wide tiles. A unit's time grows with K, and the last units a
 # cluster claims set the launch's tail; halving the unit halves that step.
@@ -390,13 +420,16 @@ FP8_MID_N64_CONFIG = dataclasses.replace(
 # N4096 K4096 0.894; where no round was cut 0.969-1.009 (dense-like 0.994 /
 # 0.969). Calls with signals keep the balanced tile (one of the mid tiles).
 FP8_PREFILL_CONFIG = dataclasses.replace(
-    FP8_MID_CONFIG, n_major=False, balance_rounds=False, split_last_round=True
+    FP8_MID_CONFIG, n_major=False, balance_rounds=False, split_last_round=True, a_chunk_rows=0
 )
 _FP8_MID_TILES = tuple(
     dataclasses.replace(c, l2_hints=hints, n_major=n_major)
     for c in (FP8_MID_CONFIG, FP8_MID_N64_CONFIG) for hints in (False, True) for n_major in (True, False)
 )
-_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG) + _FP8_MID_TILES + (FP8_PREFILL_CONFIG,)
+_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG) + _FP8_MID_TILES + (
+    FP8_PREFILL_CONFIG,
+    dataclasses.replace(FP8_PREFILL_CONFIG, split_last_round=False, balance_rounds=True),  # with signals
+)
 
 
 def _with_single_cta(configs):

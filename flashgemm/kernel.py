@@ -55,7 +55,9 @@ class MaskedGroupedGemmSm90:
       issues TMA loads of A (tile_m x tile_k) and B (tile_n x tile_k) into the
       ``stages``-deep shared-memory ring. With ``cluster_n=2`` the two CTAs of
       a cluster work on adjacent n-blocks of one m-block and each multicasts
-      half of the A tile to both.
+      half of the A tile to both. With ``config.a_chunk_rows`` A goes in
+      chunks of rows, dealt to the cluster's CTAs in turn, and a chunk past
+      m_e is not loaded (the slot's barrier expects only what is).
     * warpgroup 0, warp 1: the **store warp** (``TileStorer``). Walks the same
       schedule, issues the bulk stores of the sub-tiles the consumers staged,
       and publishes completion signals, so no wgmma warp waits on a store.
@@ -126,6 +128,7 @@ class MaskedGroupedGemmSm90:
         self.num_consumer_threads = 128 * self.num_consumer_wg
         self.threads = config.threads
         self.cluster_n = config.cluster_n
+        self.a_chunk = config.a_chunk_rows
         # 8-bit operands are the block-scaled fp8 recipe (a_scale, b_scale)
         self.block_scaled = ab_dtype.width == 8
 
@@ -142,6 +145,15 @@ class MaskedGroupedGemmSm90:
         self.a_smem_layout = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype, self.stages
         )
+        # one TMA box of A: this CTA's share of the tile, or one chunk of rows
+        # (config.a_chunk_rows; the stage holds the chunks one after another)
+        self.a_box_layout = cute.slice_(self.a_smem_layout, (None, None, 0))
+        if self.a_chunk:
+            chunk_mnk = (self.a_chunk, self.tile_mnk[1], self.tile_mnk[2])
+            self.a_box_layout = cute.slice_(
+                sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, chunk_mnk, self.ab_dtype, 1),
+                (None, None, 0),
+            )
         self.b_smem_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype, self.stages
         )
@@ -205,7 +217,6 @@ class MaskedGroupedGemmSm90:
             )
             mSFB_nkl = mSFB
 
-        a_smem_one = cute.slice_(self.a_smem_layout, (None, None, 0))
         b_smem_one = cute.slice_(self.b_smem_layout, (None, None, 0))
         d_smem_one = cute.slice_(self.d_smem_layout, (None, None, 0))
         tma_atom_a, mA_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -213,9 +224,10 @@ class MaskedGroupedGemmSm90:
             if self.cluster_n > 1
             else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             mA_mkl,
-            a_smem_one,
-            (self.tile_mnk[0], self.tile_mnk[2]),
-            num_multicast=self.cluster_n,
+            self.a_box_layout,
+            (self.a_chunk or self.tile_mnk[0], self.tile_mnk[2]),
+            # chunks are dealt to the cluster's CTAs by the kernel itself
+            num_multicast=1 if self.a_chunk else self.cluster_n,
         )
         tma_atom_b, mB_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
@@ -309,6 +321,28 @@ class MaskedGroupedGemmSm90:
         sched.jump(unit)
         return claims + 1
 
+    def _a_loads(self, tAgA, tAsA, work, cta_rank):
+        """(needed, source k-tiles, ring slots) of each TMA box of A this CTA
+        may load for ``work``, and the A bytes its slot then receives (None:
+        the pipeline's own count holds them). Without ``config.a_chunk_rows``:
+        its share of the tile, always loaded. With it: its chunks (rank r
+        takes chunks r, r + cluster_n, ...), each loaded only if it holds a
+        valid row; the rest of the slot keeps stale rows, which only feed
+        output rows past m_e (never stored)."""
+        if cutlass.const_expr(self.a_chunk == 0):
+            return ((True, tAgA[(None, work.m_block, None, work.expert)], tAsA),), None
+        chunks = self.tile_mnk[0] // self.a_chunk
+        loads = []
+        for i in range(chunks // self.cluster_n):
+            j = cta_rank + self.cluster_n * i
+            loads.append((
+                j * self.a_chunk < work.valid_rows,
+                tAgA[(None, work.m_block * chunks + j, None, work.expert)],
+                tAsA[(None, j, 0, None)],
+            ))
+        loaded = cutlass.min((work.valid_rows + self.a_chunk - 1) // self.a_chunk, chunks)
+        return tuple(loads), loaded * (self.a_chunk * self.tile_mnk[2] * self.ab_dtype.width // 8)
+
     def _consume(self, mma, read_state, release_state, work):
         """One tile's mainloop on this consumer warpgroup; returns (read_state,
         release_state) (the block-scaled loop keeps no separate release state)."""
@@ -392,9 +426,10 @@ class MaskedGroupedGemmSm90:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
-        tma_bytes = cute.size_in_bytes(
-            self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0))
-        ) + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0)))
+        # with config.a_chunk_rows the A bytes are counted per tile (produce_tile)
+        tma_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0)))
+        if cutlass.const_expr(self.a_chunk == 0):
+            tma_bytes += cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0)))
         if cutlass.const_expr(self.block_scaled):
             tma_bytes += self.tile_mnk[0] * 4  # the tile's activation scales
         # Every consumer warp arrives on the empty barrier of each CTA whose
@@ -445,14 +480,26 @@ class MaskedGroupedGemmSm90:
         gD_tma = cute.local_tile(mD_tma, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
         gD_mem = cute.local_tile(mD_mnl, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
 
-        # each CTA of the cluster loads its 1/cluster_n share of the A tile
-        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_a,
-            cta_rank,
-            cute.make_layout(self.cluster_n),
-            cute.group_modes(sA, 0, 2),
-            cute.group_modes(gA, 0, 2),
-        )
+        if cutlass.const_expr(self.a_chunk > 0):
+            # (TMA, chunks, 1, stages) / (TMA, RestM in chunks, RestK, E):
+            # which chunks a CTA loads is decided per tile (_a_loads)
+            gA_chunks = cute.local_tile(mA_mkl, (self.a_chunk, self.tile_mnk[2]), (None, None, None))
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_a,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(cute.flat_divide(sA, (self.a_chunk, self.tile_mnk[2])), 0, 2),
+                cute.group_modes(gA_chunks, 0, 2),
+            )
+        else:
+            # each CTA of the cluster loads its 1/cluster_n share of the A tile
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_a,
+                cta_rank,
+                cute.make_layout(self.cluster_n),
+                cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2),
+            )
         a_mcast_mask = cutlass.Int16((1 << self.cluster_n) - 1) if self.cluster_n > 1 else None
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
@@ -539,15 +586,16 @@ class MaskedGroupedGemmSm90:
                     if cute.arch.lane_idx() == 0:
                         mSignals[trace_base + tr.PRODUCER_START] = cute.arch.globaltimer_lo()
                 while work.is_valid:
-                    tAgA_k = tAgA[(None, work.m_block, None, work.expert)]
+                    a_loads, a_tx = self._a_loads(tAgA, tAsA, work, cta_rank)
                     tBgB_k = tBgB[(None, work.n_block, None, work.expert)]
                     tSFAgSFA_k = None
                     if cutlass.const_expr(self.block_scaled):
                         tSFAgSFA_k = tSFAgSFA[(None, work.m_block, None, work.expert)]
                     producer_state = produce_tile(
-                        ab_pipeline, producer_state, tma_atom_a, tAgA_k, tAsA,
+                        ab_pipeline, producer_state, tma_atom_a, a_loads,
                         tma_atom_b, tBgB_k, tBsB, k_tile_cnt, policy_a, policy_b, a_mcast_mask,
                         tma_atom_sfa, tSFAgSFA_k, tSFAsSFA,
+                        None if cutlass.const_expr(a_tx is None) else tma_bytes + a_tx,
                     )
                     claims = self._to_next_unit(sched, feed, claims, producer_claims)
                     work = sched.work()

@@ -23,7 +23,13 @@ accumulators); see ``GemmConfig`` for where that pays.
 Rows past ``max_m`` and columns past K are zero-filled by the TMA unit, so a
 partial m/k tile needs no special case here; rows between ``m_e`` and the end
 of the tile are real (unused) rows of the same expert and never reach the
-output (see ``epilogue``). Letting a consumer warpgroup whose 64 rows all lie
+output (see ``epilogue``). With ``GemmConfig.a_chunk_rows`` the producer loads
+A in chunks of rows and skips those past ``m_e`` (their slot rows keep stale
+data, which feeds only those unstored output rows), arming each slot's
+barrier with the bytes it really receives. Loading the skipped chunks from
+past ``max_m`` instead, so the byte count stays fixed, was slower than
+loading every row (fp8 dsv3-ep32-gate_up 1.32x, H100, 2026-11-24): a box
+the TMA unit zero-fills is not cheap. Letting a consumer warpgroup whose 64 rows all lie
 past ``m_e`` skip its wgmma (only waiting for and releasing each slot) was
 tried and dropped: fp8 dsv3-ep32-gate_up went from 97.8-101.4 to 110.1-112.7
 us, the other decode cases moved by -1.3% to +1.2% (H100, 2026-11-23). Tried
@@ -49,8 +55,7 @@ def produce_tile(
     ab_pipeline: pipeline.PipelineTmaAsync,
     producer_state: pipeline.PipelineState,
     tma_atom_a: cute.CopyAtom,
-    tAgA_k: cute.Tensor,  # (TMA, k_tiles) of this tile's m-block and expert
-    tAsA: cute.Tensor,  # (TMA, stages)
+    a_loads: tuple,  # (needed, source (TMA, k_tiles), destination (TMA, stages)) per box of A
     tma_atom_b: cute.CopyAtom,
     tBgB_k: cute.Tensor,  # (TMA, k_tiles) of this tile's n-block and expert
     tBsB: cute.Tensor,  # (TMA, stages)
@@ -61,15 +66,31 @@ def produce_tile(
     tma_atom_sfa=None,  # block-scaled fp8: the A scales of each k-tile ride in the same slot
     tSFAgSFA_k=None,  # (TMA, k_tiles)
     tSFAsSFA=None,  # (TMA, stages)
+    slot_tx=None,  # GemmConfig.a_chunk_rows: the bytes each CTA's slot receives for this tile
 ) -> pipeline.PipelineState:
-    """Load every k-tile of one output tile into the ring; returns the advanced state."""
+    """Load every k-tile of one output tile into the ring; returns the advanced state.
+
+    ``a_loads`` holds (load it, source, destination) for each TMA box of A
+    this CTA may load: its share of the tile, or with
+    ``GemmConfig.a_chunk_rows`` each of its chunks of rows, loaded only if it
+    holds a valid row. The slot's byte count then changes from tile to
+    tile: ``slot_tx``, the chunks both CTAs of the cluster load into it plus
+    B (and the scales), replaces the pipeline's fixed count."""
     for k_tile in cutlass.range(k_tile_cnt, unroll=1):
-        ab_pipeline.producer_acquire(producer_state)
         bar = ab_pipeline.producer_get_barrier(producer_state)
-        cute.copy(
-            tma_atom_a, tAgA_k[(None, k_tile)], tAsA[(None, producer_state.index)],
-            tma_bar_ptr=bar, cache_policy=policy_a, mcast_mask=a_mcast_mask,
-        )
+        if cutlass.const_expr(slot_tx is None):
+            ab_pipeline.producer_acquire(producer_state)
+        else:
+            # what producer_acquire does, with this tile's count
+            ab_pipeline.sync_object_empty.wait(producer_state.index, producer_state.phase)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, slot_tx)
+        for needed, tAgA_k, tAsA in a_loads:  # (traced once per box)
+            if needed:
+                cute.copy(
+                    tma_atom_a, tAgA_k[(None, k_tile)], tAsA[(None, producer_state.index)],
+                    tma_bar_ptr=bar, cache_policy=policy_a, mcast_mask=a_mcast_mask,
+                )
         cute.copy(
             tma_atom_b, tBgB_k[(None, k_tile)], tBsB[(None, producer_state.index)],
             tma_bar_ptr=bar, cache_policy=policy_b,

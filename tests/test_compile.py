@@ -34,6 +34,38 @@ def test_ptx_has_hopper_features(ptx_by_config, cfg):
     assert ".local" not in ptx
     assert set(ptx_features(ptx)) == {"wgmma", "tma-load", "tma-store", "setmaxnreg", "stmatrix"}
     _check_balance_ptx(ptx, cfg)
+    _check_a_loads(ptx, cfg, fp8=False)
+
+
+def _check_a_loads(ptx, cfg, fp8):
+    """One TMA load per box of A a CTA may load: its share of the tile, or
+    with a_chunk_rows each of its chunks (multicast to the cluster when
+    cluster_n is 2); then B, and the activation scales for fp8."""
+    boxes = cfg.tile_m // cfg.a_chunk_rows // cfg.cluster_n if cfg.a_chunk_rows else 1
+    multicast = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.tile\S*multicast", ptx)
+    local = re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global\.tile\.mbarrier", ptx)
+    if cfg.cluster_n == 2:
+        assert (len(multicast), len(local)) == (boxes, 1 + fp8), cfg.short_name()
+    else:
+        assert (len(multicast), len(local)) == (0, boxes + 1 + fp8), cfg.short_name()
+
+
+def test_a_chunk_rows_rules():
+    from flashgemm.config import GemmConfig
+
+    for bad, cfg in ((8, GemmConfig()), (48, GemmConfig()), (64, GemmConfig(tile_m=192, consumer_warpgroups=3, cluster_n=2))):
+        with pytest.raises(ValueError, match=r"config\.a_chunk_rows must be 0, or 16, 32 or 64"):
+            dataclasses.replace(cfg, a_chunk_rows=bad).validate()
+    # a 128-row tile of a 2-CTA cluster: 64-row chunks, one per CTA, are fine
+    GemmConfig(cluster_n=2, a_chunk_rows=64).validate()
+    # the heuristic skips the chunks past m_e up to expected_m 256, not in prefill
+    from flashgemm.config import choose_config
+
+    for fp8 in (False, True):
+        for signals in (False, True):
+            for m in (16, 32, 64, 100, 128, 200, 256, 1024):
+                cfg = choose_config(m, 4096, 4096, 7168, 132, fp8=fp8, num_experts=8, signals=signals)
+                assert cfg.a_chunk_rows == (32 if m <= 256 else 0), (m, cfg.short_name())
 
 
 def _check_balance_ptx(ptx, cfg):
@@ -87,6 +119,7 @@ def test_fp8_ptx(fp8_ptx_by_config, cfg):
     assert waits == ({"0", "1"} if cfg.promote_overlap else {"0"})
     assert {"wgmma", "fp8-wgmma", "tma-load", "tma-store"} <= set(ptx_features(ptx))
     _check_balance_ptx(ptx, cfg)
+    _check_a_loads(ptx, cfg, fp8=True)
 
 
 def test_fp8_config_rules():

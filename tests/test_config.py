@@ -154,12 +154,12 @@ def test_fp8_heuristic_regimes():
     # half full split instead of balanced; up to 256 rows n-major
     assert choose_config(1024, 4096, 4096, 7168, 132, fp8=True) == FP8_PREFILL_CONFIG
     assert FP8_PREFILL_CONFIG == replace(
-        FP8_MID_CONFIG, n_major=False, balance_rounds=False, split_last_round=True
+        FP8_MID_CONFIG, n_major=False, balance_rounds=False, split_last_round=True, a_chunk_rows=0
     ) and FP8_MID_CONFIG.n_major
     # with signals the last round stays whole (a signal counts whole tiles)
     # and is balanced, as before the split
     signalled = choose_config(1024, 4096, 4096, 7168, 132, fp8=True, signals=True)
-    assert signalled == replace(FP8_MID_CONFIG, n_major=False)
+    assert signalled == replace(FP8_MID_CONFIG, n_major=False, a_chunk_rows=0)
     assert signalled in FP8_HEURISTIC_CONFIGS and FP8_PREFILL_CONFIG in FP8_HEURISTIC_CONFIGS
     assert not any(c.split_last_round for c in FP8_HEURISTIC_CONFIGS if c.tile_m == 64 or c.n_major)
     assert choose_config(256, 4096, 4096, 7168, 132, fp8=True).n_major
@@ -208,7 +208,7 @@ def test_fp8_wave_rule_picks_narrow_tiles_only_for_a_nearly_empty_last_round():
     for name in ("dsv3-ep32-gate_up", "dsv3-ep32-down", "qwen3-235b-ep8-gate_up", "qwen3-235b-ep8-down"):
         assert replace(pick(name), l2_hints=False, n_major=True) == FP8_MID_CONFIG, name
     assert replace(pick("dsv3-prefill-gate_up"), n_major=True, balance_rounds=True,
-                   split_last_round=False) == FP8_MID_CONFIG
+                   split_last_round=False, a_chunk_rows=FP8_MID_CONFIG.a_chunk_rows) == FP8_MID_CONFIG
     # experts of up to 166 rows span two m-blocks there, whose 2 x 28 (down) and
     # 2 x 16 (gate_up) units fit one round of 66 clusters: hinted
     assert pick("dsv3-ep32-down").l2_hints and pick("dsv3-ep32-gate_up").l2_hints
