@@ -29,8 +29,8 @@ data, which feeds only those unstored output rows), arming each slot's
 barrier with the bytes it really receives. Loading the skipped chunks from
 past ``max_m`` instead, so the byte count stays fixed, was slower than
 loading every row (fp8 dsv3-ep32-gate_up 1.32x, H100, 2026-11-24): a box
-the TMA unit zero-fills is not cheap. Letting a consumer warpgroup whose 64 rows all lie
-past ``m_e`` skip its wgmma (only waiting for and releasing each slot) was
+the TMA unit zero-fills is not cheap. Letting a consumer warpgroup whose 64
+rows all lie past ``m_e`` skip its wgmma (only waiting for and releasing each slot) was
 tried and dropped: fp8 dsv3-ep32-gate_up went from 97.8-101.4 to 110.1-112.7
 us, the other decode cases moved by -1.3% to +1.2% (H100, 2026-11-23). Tried
 again on the n-group-major kernel, with the branch around whole wgmma
@@ -70,7 +70,7 @@ def produce_tile(
 ) -> pipeline.PipelineState:
     """Load every k-tile of one output tile into the ring; returns the advanced state.
 
-    ``a_loads`` holds (load it, source, destination) for each TMA box of A
+    ``a_loads`` holds (needed, source, destination) for each TMA box of A
     this CTA may load: its share of the tile, or with
     ``GemmConfig.a_chunk_rows`` each of its chunks of rows, loaded only if it
     holds a valid row. The slot's byte count then changes from tile to
