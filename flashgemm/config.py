@@ -69,8 +69,8 @@ class GemmConfig:
         (``scheduler.tail_start``).
     a_chunk_rows: 0, or load the A tile as boxes of this many rows and
         fetch only those that hold a valid row (``mainloop.produce_tile``);
-        the others are read from past ``max_m``, which the TMA unit fills
-        with zeros without touching memory.
+        the others are not loaded, and each slot's barrier expects only the
+        bytes that are.
     """
 
     tile_m: int = 128
@@ -312,7 +312,7 @@ class GemmConfig:
 # 95.6 us). 16-row chunks gained no more and cost the 192-row bf16 tile six
 # loads per k-tile (dsv3-ep32-down 1.081). Reading the empty chunks from
 # past max_m instead, which the TMA unit fills with zeros at the same byte
-# count, ran 1.02-1.42x slower than loading every row.
+# count, ran 1.005-1.42x the heuristic's time.
 A_CHUNK_ROWS = 32
 DECODE_CONFIG = GemmConfig(
     tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2, l2_hints=True, dynamic=True,
