@@ -355,8 +355,9 @@ _REGIME_CONFIGS = (
 )
 
 # Block-scaled fp8: 128-deep stages (one scale block each). Two accumulator
-# sets per thread (running sum + one k-block's products) cap tile_n at 192,
-# so prefill keeps the 128x128 tile. See choose_config for the measurements.
+# sets per thread (running sum + one k-block's products) cap tile_n at 192;
+# the mid tiles keep a third set (promote_overlap) and so stop at 128. See
+# choose_config for the measurements.
 # Two builds that hold more rows per weight tile were timed and removed (H100,
 # 2026-11-24, docs/benchmarks.md): 256x128 with two 64-row slabs per
 # warpgroup, promoted one after the other through one product set, ran
@@ -418,17 +419,47 @@ FP8_MID_N64_CONFIG = dataclasses.replace(
 # outputs), uniform / skewed routing: dsv3-prefill-gate_up (8.24 rounds)
 # 0.904 / 0.966, dsv3-prefill-down (16.12 rounds) 0.986 / 1.008, E2 m300
 # N4096 K4096 0.894; where no round was cut 0.969-1.009 (dense-like 0.994 /
-# 0.969). Calls with signals keep the balanced tile (one of the mid tiles).
+# 0.969). Calls with signals keep the balanced tile.
+# Prefill tiles with K up to 2048 are 192 wide with one product set: fewer,
+# longer tiles, so fewer epilogues and pipeline refills per FLOP. Paired A/B
+# against 128x128 with two product sets (H100, 2026-11-24, `ab_revision.py
+# --dtype fp8`, runs of 6-8 rounds, bit-identical outputs), uniform routing:
+# dsv3-prefill-down (K 2048) 0.949-0.960, E8 m512 N7168 K2048 0.955-0.976,
+# E16 m384 N4096 K1536 0.961-0.972, E16 m512 N1536 K2048 0.958 (skewed
+# 0.969-1.015); with K 7168 the two tiles tie or the wider loses:
+# dsv3-prefill-gate_up 0.988-1.012, dense-like 0.982-1.050, E8 m512 N4096
+# K7168 0.979-1.008 (docs/benchmarks.md, fifteenth session). In
+# steady state the wider tile moves fewer shared-memory bytes per FLOP (TMA
+# writes plus wgmma reads, per cycle at the tensor cores' rate: 160 B for
+# 128x128, 139 for 128x192, the SM's limit 128), but with one product set
+# the tensor cores wait during each promotion; on long K the two came out
+# even (not profiled). Making the two warpgroups issue their chains strictly
+# in turn (a pair of named barriers) gave 128x192 1.044 / 0.980 / 1.098 on
+# the three dsv3 cases against 1.015 / 0.954 / 1.118 without (one run of 3
+# rounds) and was dropped.
+# The 192-wide tile needed the promotion's weight scale picked per column
+# block at trace time: with a select per value (the tile straddles a
+# 128-column scale block) the same A/B had read 1.29-1.49.
+# The wider tile also makes each round of the grid coarser: with E2 m600 N2048
+# K7168 (one round) skewed routing put one expert's 2048 rows on the grid and
+# the 192-wide tiles ran 1.466x the 128-wide ones' time (two whole rounds
+# against two and a half split ones), while uniform routing gave 0.890. So
+# the 192-wide tile is taken only where the host expects at least
+# FP8_WIDE_MIN_ROUNDS rounds of it (``fp8_prefill_wide``).
 FP8_PREFILL_CONFIG = dataclasses.replace(
-    FP8_MID_CONFIG, n_major=False, balance_rounds=False, split_last_round=True, a_chunk_rows=0
+    FP8_MID_CONFIG, tile_n=192, promote_overlap=False, n_major=False, balance_rounds=False,
+    split_last_round=True, a_chunk_rows=0,
 )
+FP8_PREFILL_N128_CONFIG = dataclasses.replace(FP8_PREFILL_CONFIG, tile_n=128, promote_overlap=True)
+FP8_WIDE_MIN_ROUNDS = 4
+FP8_WIDE_MAX_K = 2048
 _FP8_MID_TILES = tuple(
     dataclasses.replace(c, l2_hints=hints, n_major=n_major)
     for c in (FP8_MID_CONFIG, FP8_MID_N64_CONFIG) for hints in (False, True) for n_major in (True, False)
 )
-_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG) + _FP8_MID_TILES + (
-    FP8_PREFILL_CONFIG,
-    dataclasses.replace(FP8_PREFILL_CONFIG, split_last_round=False, balance_rounds=True),  # with signals
+_FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG) + _FP8_MID_TILES + tuple(
+    c for p in (FP8_PREFILL_CONFIG, FP8_PREFILL_N128_CONFIG)
+    for c in (p, dataclasses.replace(p, split_last_round=False, balance_rounds=True))  # with signals
 )
 
 
@@ -475,6 +506,15 @@ def mid_192_wide_wins(num_experts: int, expected_m: int, n: int, num_sms: int) -
     wide = expected_rounds(MID_192_N128_CONFIG, num_experts, expected_m, n, num_sms)
     narrow = expected_rounds(MID_192_CONFIG, num_experts, expected_m, n, num_sms)
     return 2 * WIDE_UNIT_COST * wide < narrow
+
+
+def fp8_prefill_wide(num_experts: Optional[int], expected_m: int, n: int, k: int, num_sms: int) -> bool:
+    """fp8, expected_m over 256: 128x192 tiles when K is at most
+    FP8_WIDE_MAX_K and the host expects at least FP8_WIDE_MIN_ROUNDS rounds
+    of them (which needs ``num_experts``)."""
+    if not num_experts or k > FP8_WIDE_MAX_K:
+        return False
+    return expected_rounds(FP8_PREFILL_CONFIG, num_experts, expected_m, n, num_sms) >= FP8_WIDE_MIN_ROUNDS
 
 
 def choose_config(
@@ -542,11 +582,16 @@ def choose_config(
     dsv3-ep32-down 59.8 -> 56.4 us, gate_up 100.1 -> 97.9; 56 and 32 units per
     expert on 66 clusters). An earlier in-process sweep had seen bf16 64x128
     tiles lose with hints on dsv3-ep32 (three m-blocks per expert), so the
-    rule stops at two.
+    rule stops at two. Prefill with K up to 2048 takes 128x192 tiles with one
+    product set where at least 4 rounds of them are expected
+    (``fp8_prefill_wide``; dsv3-prefill-down 0.949-0.960 of 128x128, H100,
+    2026-11-24, measurements above FP8_PREFILL_CONFIG).
     """
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     if fp8:
         cfg = FP8_DECODE_CONFIG if m <= 48 else FP8_MID_CONFIG if m <= 256 else FP8_PREFILL_CONFIG
+        if cfg is FP8_PREFILL_CONFIG and not fp8_prefill_wide(num_experts, m, n, k, num_sms):
+            cfg = FP8_PREFILL_N128_CONFIG
         if cfg is FP8_DECODE_CONFIG and k >= FP8_DECODE_N64_MIN_K:
             cfg = FP8_DECODE_N64_CONFIG
         if cfg is FP8_MID_CONFIG and num_experts:

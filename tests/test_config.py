@@ -130,6 +130,7 @@ def test_bf16_192_row_tile_width_follows_the_rounds():
 def test_fp8_heuristic_regimes():
     from flashgemm.config import (
         FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG, FP8_HEURISTIC_CONFIGS, FP8_MID_CONFIG, FP8_PREFILL_CONFIG,
+        FP8_PREFILL_N128_CONFIG,
     )
 
     # decode: 64-wide tiles from K 4096 on (units whose time grows with K)
@@ -150,17 +151,28 @@ def test_fp8_heuristic_regimes():
     assert not choose_config(197, 4096, 4096, 7168, 132, fp8=True).l2_hints  # three m-blocks
     assert choose_config(128, 4096, 7168, 2048, 132, fp8=True) == replace(FP8_MID_CONFIG, l2_hints=True)
     assert choose_config(128, 4096, 4096, 7168, 132, fp8=True) == replace(FP8_MID_CONFIG, l2_hints=True)
-    # prefill: the same tile in the expert-major order, a last round at most
-    # half full split instead of balanced; up to 256 rows n-major
-    assert choose_config(1024, 4096, 4096, 7168, 132, fp8=True) == FP8_PREFILL_CONFIG
+    # prefill: in the expert-major order, a last round at most half full
+    # split instead of balanced; up to 256 rows n-major. 192-wide tiles with
+    # one product set for K up to 2048 where at least 4 rounds of them are
+    # expected (dsv3-prefill-down: 4 experts x 8.5 m-blocks x 19 n-groups on
+    # 66 clusters, 10 rounds), else 128-wide ones with two product sets: K
+    # 7168 (dsv3-prefill-gate_up), one round (E2 m600 N2048: 2 x 5.2 x 6
+    # units), or no num_experts to count them.
+    assert choose_config(1024, 4096, 7168, 2048, 132, fp8=True, num_experts=4) == FP8_PREFILL_CONFIG
+    assert choose_config(1024, 4096, 4096, 7168, 132, fp8=True, num_experts=4) == FP8_PREFILL_N128_CONFIG
+    assert choose_config(600, 2048, 2048, 2048, 132, fp8=True, num_experts=2) == FP8_PREFILL_N128_CONFIG
+    assert choose_config(1024, 4096, 7168, 2048, 132, fp8=True) == FP8_PREFILL_N128_CONFIG
     assert FP8_PREFILL_CONFIG == replace(
-        FP8_MID_CONFIG, n_major=False, balance_rounds=False, split_last_round=True, a_chunk_rows=0
-    ) and FP8_MID_CONFIG.n_major
+        FP8_MID_CONFIG, tile_n=192, promote_overlap=False, n_major=False, balance_rounds=False,
+        split_last_round=True, a_chunk_rows=0,
+    ) and FP8_MID_CONFIG.n_major and FP8_MID_CONFIG.promote_overlap
+    assert FP8_PREFILL_N128_CONFIG == replace(FP8_PREFILL_CONFIG, tile_n=128, promote_overlap=True)
     # with signals the last round stays whole (a signal counts whole tiles)
     # and is balanced, as before the split
-    signalled = choose_config(1024, 4096, 4096, 7168, 132, fp8=True, signals=True)
-    assert signalled == replace(FP8_MID_CONFIG, n_major=False, a_chunk_rows=0)
-    assert signalled in FP8_HEURISTIC_CONFIGS and FP8_PREFILL_CONFIG in FP8_HEURISTIC_CONFIGS
+    for e, cfg in ((4, FP8_PREFILL_CONFIG), (None, FP8_PREFILL_N128_CONFIG)):
+        signalled = choose_config(1024, 4096, 7168, 2048, 132, fp8=True, num_experts=e, signals=True)
+        assert signalled == replace(cfg, split_last_round=False, balance_rounds=True)
+        assert signalled in FP8_HEURISTIC_CONFIGS and cfg in FP8_HEURISTIC_CONFIGS
     assert not any(c.split_last_round for c in FP8_HEURISTIC_CONFIGS if c.tile_m == 64 or c.n_major)
     assert choose_config(256, 4096, 4096, 7168, 132, fp8=True).n_major
     assert not choose_config(257, 4096, 4096, 7168, 132, fp8=True).n_major
@@ -181,16 +193,24 @@ def test_fp8_heuristic_regimes():
     assert single.cluster_n == 1 and single in FP8_HEURISTIC_CONFIGS
     for cfg in FP8_HEURISTIC_CONFIGS:
         assert cfg.tile_k == 128 and cfg.validate(1) is cfg
-        # two product sets on the two-warpgroup tiles (prefill 5-8% faster),
-        # one on the one-warpgroup decode tile (no gain there)
-        assert cfg.promote_overlap == (cfg.consumer_warpgroups == 2)
+        # two product sets on the two-warpgroup mid tiles (5-8% faster), one
+        # on the one-warpgroup decode tile (no gain there) and on the
+        # 192-wide prefill tile (no registers for a third set)
+        assert cfg.promote_overlap == (cfg.consumer_warpgroups == 2 and cfg.tile_n <= 128)
+        assert cfg.tile_n <= 128 or cfg == replace(
+            FP8_PREFILL_CONFIG, cluster_n=cfg.cluster_n, split_last_round=cfg.split_last_round,
+            balance_rounds=cfg.balance_rounds,
+        )
+    assert replace(FP8_PREFILL_N128_CONFIG, cluster_n=1) in FP8_HEURISTIC_CONFIGS
 
 
 def test_fp8_wave_rule_picks_narrow_tiles_only_for_a_nearly_empty_last_round():
     import json
     import os
 
-    from flashgemm.config import FP8_MID_CONFIG, FP8_MID_N64_CONFIG, wave_efficiency
+    from flashgemm.config import (
+        FP8_MID_CONFIG, FP8_MID_N64_CONFIG, FP8_PREFILL_CONFIG, FP8_PREFILL_N128_CONFIG, wave_efficiency,
+    )
 
     spec = json.load(open(os.path.join(os.path.dirname(__file__), "..", "scripts", "moe_cases.json")))
     cases = {c["name"]: c for c in spec["cases"]}
@@ -207,8 +227,9 @@ def test_fp8_wave_rule_picks_narrow_tiles_only_for_a_nearly_empty_last_round():
     # rounds already full with 128x128: keep it (64-wide tiles re-read A twice as often)
     for name in ("dsv3-ep32-gate_up", "dsv3-ep32-down", "qwen3-235b-ep8-gate_up", "qwen3-235b-ep8-down"):
         assert replace(pick(name), l2_hints=False, n_major=True) == FP8_MID_CONFIG, name
-    assert replace(pick("dsv3-prefill-gate_up"), n_major=True, balance_rounds=True,
-                   split_last_round=False, a_chunk_rows=FP8_MID_CONFIG.a_chunk_rows) == FP8_MID_CONFIG
+    # prefill has its own rule: 192 wide on short K only
+    assert pick("dsv3-prefill-down") == FP8_PREFILL_CONFIG
+    assert pick("dsv3-prefill-gate_up") == FP8_PREFILL_N128_CONFIG
     # experts of up to 166 rows span two m-blocks there, whose 2 x 28 (down) and
     # 2 x 16 (gate_up) units fit one round of 66 clusters: hinted
     assert pick("dsv3-ep32-down").l2_hints and pick("dsv3-ep32-gate_up").l2_hints

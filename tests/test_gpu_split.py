@@ -71,15 +71,21 @@ def test_bf16_split_last_round_matches_reference(case, seed):
 
 
 @pytest.mark.parametrize("cluster_n", [1, 2])
-def test_fp8_split_last_round_matches_reference(cluster_n, seed):
-    cfg = dataclasses.replace(FP8_PREFILL_CONFIG, cluster_n=cluster_n)
-    # 8 m-blocks (N 528: five 128-wide n-blocks, one partial; K 2880: a
-    # partial scale block) x 3 n-groups = 24 units on 18 clusters: 6 split;
-    # single CTAs: x 5 n-blocks = 40 units on 18: 4 split
+@pytest.mark.parametrize(
+    "tile", [(192, False), (128, True)], ids=["n192", "n128-po"]
+)  # the heuristic's prefill tile, and the 128-wide one with two product sets
+def test_fp8_split_last_round_matches_reference(cluster_n, tile, seed):
+    tile_n, overlap = tile
+    cfg = dataclasses.replace(FP8_PREFILL_CONFIG, cluster_n=cluster_n, tile_n=tile_n, promote_overlap=overlap)
+    # 8 m-blocks; N 528: 128-wide n-blocks 5 (one partial), 192-wide 3 (the
+    # last 144 wide; the tiles straddle scale blocks at columns 128 and 64);
+    # K 2880: a partial scale block. The grid is the first, from 18 clusters
+    # down, whose last round is at most half full, so it runs half tiles.
     e_count, max_m, n, k = 4, 300, 528, 2880
     masked = [300, 129, 0, 257]
-    num_sms = 18 * cluster_n
-    assert _half_tiles(cfg, masked, max_m, n, num_sms) > 0, "the case must run half tiles"
+    num_sms = next(
+        c * cluster_n for c in range(18, 2, -1) if _half_tiles(cfg, masked, max_m, n, c * cluster_n) > 0
+    )
     a, a_scale, b, b_scale, masked_m = _fp8_case(e_count, max_m, n, k, masked)
     buf, out = _poisoned_out_fp8(e_count, max_m, n)
     flashgemm.grouped_gemm_nt_masked(
