@@ -47,7 +47,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
 from bench import (  # noqa: E402
-    CASES_FILE, DISTRIBUTIONS, case_operands, draw_masked_m, paired_median, time_graph_rounds,
+    CASES_FILE, DISTRIBUTIONS, case_operands, draw_masked_m, paired_median, parse_config_changes,
+    time_graph_rounds,
 )
 
 
@@ -112,13 +113,7 @@ def main():
         p.error("--both applies the --set changes to the --base side too; give --base")
     if not torch.cuda.is_available():
         sys.exit("ab_revision.py needs a CUDA GPU")
-    kinds = {f.name: f.type for f in dataclasses.fields(flashgemm.GemmConfig)}  # "int" / "bool"
-    changes = {}
-    for item in args.set:
-        field, _, value = item.partition("=")
-        if field not in kinds:
-            p.error(f"--set {item}: GemmConfig has no field {field!r}")
-        changes[field] = bool(int(value)) if kinds[field] == "bool" else int(value)
+    changes = parse_config_changes(args.set, p.error)
     if changes.get("dynamic") or changes.get("split_last_round"):  # instead of balancing
         changes.setdefault("balance_rounds", False)
     if args.base:

@@ -245,6 +245,22 @@ def parse_config(name: str):
                       a_chunk_rows=int(m.group(15) or 0))
 
 
+def parse_config_changes(items, error):
+    """``--set FIELD=VALUE`` items as GemmConfig field changes; ``error``
+    (a parser's ``error``) names a field GemmConfig lacks."""
+    from flashgemm.config import GemmConfig
+    import dataclasses
+
+    kinds = {f.name: f.type for f in dataclasses.fields(GemmConfig)}  # "int" / "bool"
+    changes = {}
+    for item in items:
+        field, _, value = item.partition("=")
+        if field not in kinds:
+            error(f"--set {item}: GemmConfig has no field {field!r}")
+        changes[field] = bool(int(value)) if kinds[field] == "bool" else int(value)
+    return changes
+
+
 def time_configs(results, label, variants, out, check, tol, reps, call):
     """Time ``call(cfg)`` for each config into ``results["cfg:<name>"]``; then
     check each on a NaN-poisoned ``out`` (a tile a config leaves unwritten

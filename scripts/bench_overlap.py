@@ -19,11 +19,17 @@ the other, the signal cost of one case had moved between -0.5% and +4.8%
 across runs (H100, 2026-11-23).
 
     python scripts/bench_overlap.py [--cases ...] [--combine-sms 20 [28 ...]] [--top-k 8] [--dtype bf16 fp8]
+
+``--set FIELD=VALUE`` (repeatable) changes the config the heuristic picks for
+every call with signals (e.g. ``--set n_major=1``); the no-signal
+pick stays the heuristic's.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 import os
 import statistics
@@ -34,7 +40,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
-from bench import CASES_FILE, case_operands, draw_masked_m, paired_median, time_graph_rounds  # noqa: E402
+from bench import (  # noqa: E402
+    CASES_FILE, case_operands, draw_masked_m, paired_median, parse_config_changes, time_graph_rounds,
+)
 from flashgemm.overlap import combine_masked, run_gemm_and_combine  # noqa: E402
 
 
@@ -119,6 +127,24 @@ def run_case(case, seed, combine_sms, reps, rounds, top_k, rows_per_item=None, f
     return r
 
 
+def change_signalled_configs(changes):
+    """--set: apply ``changes`` to every config the heuristic picks for a
+    call with signals (the launcher's and the package's choose_config)."""
+    from flashgemm import launcher
+
+    pick = launcher.choose_config
+    params = inspect.signature(pick)
+
+    def changed(*args, **kw):
+        cfg = pick(*args, **kw)
+        given = params.bind(*args, **kw).arguments
+        if not given.get("signals", False):
+            return cfg
+        return dataclasses.replace(cfg, **changes).validate(1 if given.get("fp8", False) else 2, 2)
+
+    launcher.choose_config = flashgemm.choose_config = changed
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="*")
@@ -129,8 +155,11 @@ def main():
     p.add_argument("--rows-per-item", type=int, help="combine work item size (default: the package's)")
     p.add_argument("--dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16"],
                    help="GEMM operands (fp8: block-scaled e4m3, bf16 out)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     p.add_argument("--json")
     args = p.parse_args()
+    if args.set:
+        change_signalled_configs(parse_config_changes(args.set, p.error))
     if not torch.cuda.is_available():
         sys.exit("bench_overlap.py needs a CUDA GPU")
     spec = json.load(open(CASES_FILE))
