@@ -62,6 +62,11 @@ class GemmConfig:
     n_major: units numbered n-group first (``scheduler.NMajorTileScheduler``),
         so every round holds a slice of every expert instead of one or two
         whole experts.
+    n_major_window: with n_major, 0 (one window of every expert), or a power
+        of two up to 32: the experts are taken that many at a time, each
+        window numbered n-group first, so each window's experts finish
+        before the next window starts. 1 is the expert-major order found by
+        the n-major scan (what calls with completion signals use).
     split_last_round: static expert-major order, two consumer warpgroups,
         calls without signals; when the units (counted on the device) leave
         the grid's last round at most half full, each of its units runs as
@@ -106,6 +111,7 @@ class GemmConfig:
     # the earlier rounds (scheduler.active_clusters has the measurements).
     balance_rounds: bool = False
     n_major: bool = False
+    n_major_window: int = 0
     # Compute-bound tiles: a last round of a few units costs a whole round
     # on an otherwise idle GPU; halving them halves that tail (measurements
     # in scheduler.tail_start).
@@ -236,6 +242,13 @@ class GemmConfig:
                 "config.split_last_round applies to the static expert-major order; "
                 "turn off config.dynamic, config.balance_rounds and config.n_major"
             )
+        if self.n_major_window and (
+            not self.n_major or self.n_major_window not in (1, 2, 4, 8, 16, 32)
+        ):
+            raise ValueError(
+                "config.n_major_window must be 0, or a power of two up to 32 with "
+                f"config.n_major=True; got {self.n_major_window} (n_major={self.n_major})"
+            )
         if self.a_chunk_rows and (
             self.a_chunk_rows not in (16, 32, 64) or self.tile_m % (self.a_chunk_rows * self.cluster_n)
         ):
@@ -273,6 +286,7 @@ class GemmConfig:
             + ("" if self.pdl else "-nopdl") + ("-dyn" if self.dynamic else "")
             + ("" if self.l2_warmup else "-nowarm") + ("-po" if self.promote_overlap else "")
             + ("-bal" if self.balance_rounds else "") + ("-nmaj" if self.n_major else "")
+            + (f"-w{self.n_major_window}" if self.n_major_window else "")
             + ("-split" if self.split_last_round else "")
             + (f"-ac{self.a_chunk_rows}" if self.a_chunk_rows else "")
         )
@@ -409,6 +423,10 @@ FP8_DECODE_N64_MIN_K = 4096
 # combine on 20 SMs, `bench_overlap.py`: overlapped / longer alone went from
 # 1.043-1.220x to 1.156-1.687x, dsv3-ep32-down 1.687x). In an MoE layer only
 # the down projection is followed by the combine; gate_up gets n_major.
+# Windows of 2 or 4 experts, each numbered n-group first, ran faster alone
+# but made GEMM plus combine slower on all four cases timed (dsv3-ep32-down
+# 71.8 us with W=2 and 77.6 with W=4, against 68.7 expert-major), so a call
+# with signals gets windows of one expert (FP8_SIGNAL_WINDOW).
 FP8_MID_CONFIG = dataclasses.replace(MID_CONFIG, tile_k=128, promote_overlap=True, n_major=True)
 FP8_MID_N64_CONFIG = dataclasses.replace(
     DECODE_128_CONFIG, tile_k=128, l2_hints=False, promote_overlap=True, n_major=True
@@ -453,9 +471,17 @@ FP8_PREFILL_CONFIG = dataclasses.replace(
 FP8_PREFILL_N128_CONFIG = dataclasses.replace(FP8_PREFILL_CONFIG, tile_n=128, promote_overlap=True)
 FP8_WIDE_MIN_ROUNDS = 4
 FP8_WIDE_MAX_K = 2048
+# Calls with signals: the expert-major order, found by the n-major walker
+# (n_major_window=1). Paired A/B on H100, 2026-11-24 (`ab_revision.py --set
+# n_major_window=1` against the expert-major walker, bit-identical outputs),
+# uniform / skewed routing: qwen3-30b 0.927 / 0.947, qwen3-235b-ep8-down
+# 0.982 / 0.988, dsv3-ep32 0.992-0.996. Same order, so the same overlap with
+# a combine (`bench_overlap.py --dtype fp8`: GEMM plus combine within 0.5%).
+FP8_SIGNAL_WINDOW = 1
 _FP8_MID_TILES = tuple(
-    dataclasses.replace(c, l2_hints=hints, n_major=n_major)
-    for c in (FP8_MID_CONFIG, FP8_MID_N64_CONFIG) for hints in (False, True) for n_major in (True, False)
+    dataclasses.replace(c, l2_hints=hints, n_major_window=window)
+    for c in (FP8_MID_CONFIG, FP8_MID_N64_CONFIG) for hints in (False, True)
+    for window in (0, FP8_SIGNAL_WINDOW)  # without and with signals
 )
 _FP8_REGIME_CONFIGS = (FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG) + _FP8_MID_TILES + tuple(
     c for p in (FP8_PREFILL_CONFIG, FP8_PREFILL_N128_CONFIG)
@@ -529,8 +555,9 @@ def choose_config(
 ) -> GemmConfig:
     """Pick a configuration from host-side facts only (never reads masked_m).
     ``signals``: the call publishes completion signals (the fp8 mid tiles then
-    keep the expert-major order, so experts finish one after another, and
-    the prefill tiles run their last round unsplit).
+    keep the expert-major order, walked by the n-major scan with windows of
+    one expert, so experts finish one after another; the prefill tiles run
+    their last round unsplit).
 
     From the config sweeps of scripts/bench.py on H100 (2026-11-22, CUDA-graph
     timings, docs/benchmarks.md):
@@ -609,7 +636,7 @@ def choose_config(
             # while the first is still in L2.
             cfg = dataclasses.replace(cfg, l2_hints=True)
         if signals and cfg.n_major:
-            cfg = dataclasses.replace(cfg, n_major=False)
+            cfg = dataclasses.replace(cfg, n_major_window=FP8_SIGNAL_WINDOW)
     elif m <= 48:
         cfg = DECODE_CONFIG
     elif m <= 96:

@@ -281,7 +281,7 @@ class MaskedGroupedGemmSm90:
         for them. The n-major walker counts the m-blocks in every role
         anyway, so each role cuts its own grid."""
         if cutlass.const_expr(self.config.n_major):
-            sched = NMajorTileScheduler.create(*walk_args)
+            sched = NMajorTileScheduler.create(*walk_args, self.config.n_major_window)
             if cutlass.const_expr(self.config.balance_rounds):
                 sched.keep_active(active_clusters(sched.units(), sched.num_ctas))
         else:
@@ -375,10 +375,14 @@ class MaskedGroupedGemmSm90:
         for the decode tiles where m_e fits one m-block. A wrong guess
         costs at most ``stages`` k-tiles of reads per CTA.
         """
-        walker = NMajorTileScheduler if self.config.n_major else MaskedTileScheduler
-        expert, n_block, in_range = walker.first_tile_guess(
-            cluster, cta_rank, num_n_blocks, num_experts, self.cluster_n
-        )
+        if cutlass.const_expr(self.config.n_major):
+            expert, n_block, in_range = NMajorTileScheduler.first_tile_guess(
+                cluster, cta_rank, num_n_blocks, num_experts, self.cluster_n, self.config.n_major_window
+            )
+        else:
+            expert, n_block, in_range = MaskedTileScheduler.first_tile_guess(
+                cluster, cta_rank, num_n_blocks, num_experts, self.cluster_n
+            )
         if in_range:
             with cute.arch.elect_one():
                 for k_tile in cutlass.range(cutlass.min(k_tile_cnt, self.stages), unroll=1):

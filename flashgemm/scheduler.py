@@ -124,6 +124,7 @@ def tile_order(
     balance: bool = False,
     n_major: bool = False,
     split: bool = False,
+    window: int = 0,
 ) -> List[List[Tuple[int, ...]]]:
     """Model of the device scheduler: the (expert, m_block, n_block) list of each CTA.
 
@@ -133,13 +134,21 @@ def tile_order(
     numbered n-group first, :class:`NMajorTileScheduler`); ``split``:
     ``GemmConfig.split_last_round``, and the tiles are then (expert, m_block,
     n_block, half), half -1 for a whole tile, 0 or 1 for the upper or lower
-    64 rows.
+    64 rows. ``window``: ``GemmConfig.n_major_window`` (with ``n_major``,
+    units numbered window by window of that many experts).
     """
     n_blocks = -(-n // tile_n)
     n_groups = -(-n_blocks // cluster_n)
     m_blocks = [-(-clamp_rows(m, max_m) // tile_m) for m in masked_m]
     if n_major:
-        units = [(e, mb, ng) for ng in range(n_groups) for e, mbs in enumerate(m_blocks) for mb in range(mbs)]
+        w = window or len(m_blocks) or 1
+        units = [
+            (e, mb, ng)
+            for first in range(0, len(m_blocks), w)
+            for ng in range(n_groups)
+            for e in range(first, min(first + w, len(m_blocks)))
+            for mb in range(m_blocks[e])
+        ]
     else:
         units = [(e, mb, ng) for e, mbs in enumerate(m_blocks) for ng in range(n_groups) for mb in range(mbs)]
     num_clusters = num_ctas // cluster_n
@@ -436,6 +445,13 @@ class NMajorTileScheduler(_ExpertRows):
     scan gives the prefix sums, and the expert is the number of lanes whose
     prefix is <= r. No loop-carried expert state: each step is one masked_m
     load per lane (an L1 hit after the first) per chunk of 32 experts.
+    With ``GemmConfig.n_major_window`` W (a power of two up to 32) the
+    experts are taken W at a time, each window's units numbered n-group
+    first and windows one after another, so a window's experts finish
+    together instead of every expert at the end of the launch: what a
+    combine waiting on completion signals needs. A window never straddles
+    a chunk of 32 experts; the window of u is the last window-start lane
+    whose units before it are <= u (one more ballot).
     """
 
     def __init__(
@@ -450,6 +466,7 @@ class NMajorTileScheduler(_ExpertRows):
         cta_rank: Int32,
         linear_idx: Int32,
         m_total: Int32,
+        window: int = 0,
     ):
         self.mMaskedM = mMaskedM
         self.num_experts = num_experts
@@ -461,6 +478,7 @@ class NMajorTileScheduler(_ExpertRows):
         self.cta_rank = cta_rank
         self.linear_idx = linear_idx
         self.m_total = m_total
+        self.window = window  # experts per window (compile time); 0: all
 
     def __extract_mlir_values__(self):
         return extract_mlir_values([self.linear_idx])
@@ -469,20 +487,34 @@ class NMajorTileScheduler(_ExpertRows):
         (li,) = new_from_mlir_values([self.linear_idx], values)
         return NMajorTileScheduler(
             self.mMaskedM, self.num_experts, self.max_m, self.num_n_blocks, self.tile_m,
-            self.num_ctas, self.cluster_n, self.cta_rank, li, self.m_total,
+            self.num_ctas, self.cluster_n, self.cta_rank, li, self.m_total, self.window,
         )
 
     @staticmethod
     def first_tile_guess(
-        cluster: Int32, cta_rank: Int32, num_n_blocks: Int32, num_experts: Int32, cluster_n: int
+        cluster: Int32, cta_rank: Int32, num_n_blocks: Int32, num_experts: Int32, cluster_n: int,
+        window: int = 0,
     ):
         """As ``MaskedTileScheduler.first_tile_guess``, in this order: with
-        one m-block per expert, unit c is expert c % E of n-group c // E."""
+        one m-block per expert, unit c is expert c % E of n-group c // E
+        (with a window of W experts: expert c % W of n-group (c // W) % NG
+        in window c // (W * NG))."""
         num_n_groups = _n_groups(num_n_blocks, cluster_n)
-        n_group = cluster // num_experts
-        expert = cluster - n_group * num_experts
+        if cutlass.const_expr(window == 0):
+            n_group = cluster // num_experts
+            expert = cluster - n_group * num_experts
+            n_block = n_group * cluster_n + cta_rank
+            return expert, n_block, (n_group < num_n_groups) & (n_block < num_n_blocks)
+        w_idx = cluster // (window * num_n_groups)  # every window but the last is full
+        first = w_idx * window
+        size = cutlass.max(cutlass.min(num_experts - first, window), 1)
+        local = cluster - first * num_n_groups
+        n_group = local // size
+        expert = first + local - n_group * size
         n_block = n_group * cluster_n + cta_rank
-        return expert, n_block, (n_group < num_n_groups) & (n_block < num_n_blocks)
+        return expert, n_block, (n_group < num_n_groups) & (n_block < num_n_blocks) & (
+            first < num_experts
+        )
 
     @staticmethod
     def create(
@@ -495,11 +527,14 @@ class NMajorTileScheduler(_ExpertRows):
         grid_size: Int32,
         cluster_n: int = 1,
         cta_rank: Int32 = 0,
+        window: int = 0,
     ) -> "NMajorTileScheduler":
-        """Same arguments as ``MaskedTileScheduler.create``; counts M."""
+        """Same arguments as ``MaskedTileScheduler.create``, and
+        ``GemmConfig.n_major_window``; counts M."""
         sched = NMajorTileScheduler(
             mMaskedM, num_experts, max_m, _n_groups(num_n_blocks, cluster_n), tile_m,
             grid_size // cluster_n, cluster_n, Int32(cta_rank), Int32(block_idx // cluster_n), Int32(0),
+            window,
         )
         sched.m_total = sched._warp_m_blocks(sched.lane_masked_m(mMaskedM, num_experts))
         return sched
@@ -523,8 +558,15 @@ class NMajorTileScheduler(_ExpertRows):
         units = self.units()
         is_valid = self.linear_idx < units
         u = cutlass.min(self.linear_idx, cutlass.max(units - 1, Int32(0)))
-        n_group = u // cutlass.max(self.m_total, Int32(1))
-        r = u - n_group * self.m_total  # (expert, m_block) index, expert-major
+        ng = self.num_n_blocks
+        # Without a window: the n-group is known up front and r counts the
+        # (expert, m_block) pairs left to skip. With one: r counts units, and
+        # the n-group comes from the window that holds them.
+        n_group = Int32(0)
+        r = u
+        if cutlass.const_expr(self.window == 0):
+            n_group = u // cutlass.max(self.m_total, Int32(1))
+            r = u - n_group * self.m_total
         lane = cute.arch.lane_idx()
         expert = Int32(0)
         m_block = Int32(0)
@@ -538,14 +580,27 @@ class NMajorTileScheduler(_ExpertRows):
                 up = cute.arch.shuffle_sync_up(incl, d)
                 incl = incl + cutlass.select_(lane >= d, up, Int32(0))
             chunk_total = cute.arch.shuffle_sync(incl, 31)
-            if r < chunk_total:
+            chunk_units = chunk_total
+            if cutlass.const_expr(self.window != 0):
+                chunk_units = chunk_total * ng
+            if r < chunk_units:
+                if cutlass.const_expr(self.window != 0):
+                    w = self.window
+                    excl = incl - blocks
+                    starts = cute.arch.vote_ballot_sync(((lane & (w - 1)) == 0) & (excl * ng <= r))
+                    first = (cute.arch.popc(starts) - 1) * w  # the window's first lane
+                    before = cute.arch.shuffle_sync(excl, first)
+                    window_blocks = cute.arch.shuffle_sync(incl, first + (w - 1)) - before
+                    local = r - before * ng
+                    n_group = local // window_blocks
+                    r = before + local - n_group * window_blocks
                 e_in = cute.arch.popc(cute.arch.vote_ballot_sync(incl <= r))
                 expert = base + e_in
                 m_block = r - cute.arch.shuffle_sync(incl - blocks, e_in)
                 rows = cute.arch.shuffle_sync(lane_rows, e_in)
                 searching = False
             else:
-                r = r - chunk_total
+                r = r - chunk_units
                 base = base + 32
                 searching = base < self.num_experts
         valid_rows = cutlass.min(rows - m_block * self.tile_m, Int32(self.tile_m))

@@ -78,6 +78,8 @@ def _check_balance_ptx(ptx, cfg):
         # ballot, and cuts its own grid: no barrier 3
         assert len(reductions) == 3 and not barrier_3
         assert ballots and re.search(r"shfl\.sync\.up\.b32", ptx)
+        # with n_major_window, one more ballot per search finds the window
+        assert len(ballots) == (12 if cfg.n_major_window else 6)
         return
     if cfg.split_last_round:
         # each role counts the units itself (one warp reduction) to find the

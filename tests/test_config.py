@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 
 from flashgemm.config import (
+    FP8_SIGNAL_WINDOW,
     DECODE_128_CONFIG,
     DECODE_CONFIG,
     FP8_HEURISTIC_CONFIGS,
@@ -67,6 +68,7 @@ def test_short_name_distinguishes_configs():
     assert len(names) == len(HEURISTIC_CONFIGS)
     assert GemmConfig(l2_hints=True).short_name() != GemmConfig().short_name()
     assert GemmConfig(n_major=True).short_name() != GemmConfig().short_name()
+    assert GemmConfig(n_major=True, n_major_window=2).short_name() != GemmConfig(n_major=True).short_name()
     fp8_names = {c.short_name() for c in FP8_HEURISTIC_CONFIGS}
     assert len(fp8_names) == len(FP8_HEURISTIC_CONFIGS)
     assert GemmConfig(dynamic=True).short_name() != GemmConfig().short_name()
@@ -177,18 +179,21 @@ def test_fp8_heuristic_regimes():
     assert choose_config(256, 4096, 4096, 7168, 132, fp8=True).n_major
     assert not choose_config(257, 4096, 4096, 7168, 132, fp8=True).n_major
     assert not FP8_DECODE_CONFIG.n_major
-    # with completion signals every expert must finish early: expert-major
+    # with completion signals experts must finish one after another, not all
+    # at the end: windows of FP8_SIGNAL_WINDOW experts (1: expert-major)
+    assert FP8_SIGNAL_WINDOW in (1, 2, 4, 8, 16, 32)
     for m in (64, 99, 128, 256):
         plain = choose_config(m, 4096, 7168, 2048, 132, fp8=True, num_experts=8)
         signalled = choose_config(m, 4096, 7168, 2048, 132, fp8=True, num_experts=8, signals=True)
-        assert plain.n_major and signalled == replace(plain, n_major=False), m
+        assert plain.n_major and not plain.n_major_window, m
+        assert signalled == replace(plain, n_major_window=FP8_SIGNAL_WINDOW), m
         assert signalled in FP8_HEURISTIC_CONFIGS and plain in FP8_HEURISTIC_CONFIGS
     from flashgemm.launcher import _resolve_config
 
-    assert not _resolve_config(None, 128, 4096, 7168, 2048, 132, True, 8, signals=True).n_major
-    assert _resolve_config(None, 128, 4096, 7168, 2048, 132, True, 8).n_major
+    assert _resolve_config(None, 128, 4096, 7168, 2048, 132, True, 8, signals=True).n_major_window
+    assert not _resolve_config(None, 128, 4096, 7168, 2048, 132, True, 8).n_major_window
     # an explicit config is the caller's choice, signals or not
-    assert _resolve_config(FP8_MID_CONFIG, None, 4096, 7168, 2048, 132, True, 8, signals=True).n_major
+    assert not _resolve_config(FP8_MID_CONFIG, None, 4096, 7168, 2048, 132, True, 8, signals=True).n_major_window
     single = choose_config(32, 1024, 4096, 7168, 1, fp8=True)
     assert single.cluster_n == 1 and single in FP8_HEURISTIC_CONFIGS
     for cfg in FP8_HEURISTIC_CONFIGS:

@@ -1,4 +1,4 @@
-"""GPU tests of ``GemmConfig.n_major`` (skipped without sm_90).
+"""GPU tests of ``GemmConfig.n_major`` and ``n_major_window`` (skipped without sm_90).
 
 Every role of every CTA finds its tiles in the n-group-major order by a warp
 scan over masked_m, 32 experts at a time; roles that disagreed would hang or
@@ -40,6 +40,13 @@ BF16_CONFIGS = [
     _nm(MID_CONFIG, balance_rounds=False, cluster_n=1),
     _nm(DECODE_128_CONFIG),
     _nm(DECODE_CONFIG),  # dynamic: claims, then the same search
+    # n_major_window: windows of 1 (the expert-major order, as calls with
+    # signals run it), of 2 (the first one empty: experts 0 and 1 hold no
+    # rows), of 8 (E = 70: a short last window) and of 32 (one per chunk)
+    _nm(MID_CONFIG, n_major_window=1),
+    _nm(MID_CONFIG, n_major_window=2),
+    _nm(DECODE_CONFIG, n_major_window=8),
+    _nm(MID_CONFIG, balance_rounds=False, cluster_n=1, n_major_window=32),
 ]
 
 
@@ -69,7 +76,9 @@ def test_bf16_matches_reference(config, shape, seed):
 
 
 @pytest.mark.parametrize("config", [FP8_MID_CONFIG, FP8_MID_N64_CONFIG, _nm(FP8_MID_CONFIG, dynamic=True,
-                                    balance_rounds=False)], ids=lambda c: c.short_name())
+                                    balance_rounds=False), _nm(FP8_MID_CONFIG, n_major_window=1),
+                                    _nm(FP8_MID_CONFIG, n_major_window=2),
+                                    _nm(FP8_MID_N64_CONFIG, n_major_window=4)], ids=lambda c: c.short_name())
 @pytest.mark.parametrize("e_count", [6, 37])
 def test_fp8_matches_reference(config, e_count, seed):
     max_m, n, k = 300, 528, 2880  # 528: five 128-wide n-blocks, one partial
@@ -81,10 +90,11 @@ def test_fp8_matches_reference(config, e_count, seed):
     _check_fp8(a, a_scale, b, b_scale, masked_m, out, buf)
 
 
+@pytest.mark.parametrize("window", [0, 1, 2])
 @pytest.mark.parametrize("granularity", ["m_block", "expert"])
-def test_signals_count_every_tile_once(granularity, seed):
+def test_signals_count_every_tile_once(granularity, window, seed):
     e_count, max_m, n, k = 40, 200, 392, 128
-    config = _nm(MID_CONFIG)
+    config = _nm(MID_CONFIG, n_major_window=window)
     gen = torch.Generator().manual_seed(seed)
     a, b, masked_m = _random_case(e_count, max_m, n, k, _masked(e_count, max_m, gen))
     layout = flashgemm.signal_layout(e_count, max_m, n, k, config=config, signal_granularity=granularity)
@@ -97,10 +107,11 @@ def test_signals_count_every_tile_once(granularity, seed):
     assert torch.equal(sig.cpu(), layout.final_values(masked_m.cpu(), max_m))
 
 
-def test_graph_replays_with_new_m_block_counts(seed):
+@pytest.mark.parametrize("window", [0, 1, 2])
+def test_graph_replays_with_new_m_block_counts(window, seed):
     """One captured launch replayed with masked_m whose m-block count M (the
     order's period) changes: it is counted on the device each time."""
-    config, e_count, max_m, n, k = _nm(MID_CONFIG), 5, 384, 1032, 256
+    config, e_count, max_m, n, k = _nm(MID_CONFIG, n_major_window=window), 5, 384, 1032, 256
     draws = [[384, 130, 129, 200, 1], [1, 1, 1, 1, 0], [384] * 5, [0] * 5, [1, 2, 3, 129, 0]]
     a, b, masked_m = _random_case(e_count, max_m, n, k, draws[-1])
     buf, out = _poisoned_out(e_count, max_m, n)

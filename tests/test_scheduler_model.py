@@ -221,14 +221,14 @@ class WalkerModel:
 
 
 def walk(masked_m, max_m, n, tile_m, tile_n, num_ctas, cluster_n=1, keep_clipped=False, balance=False,
-         model=None):
-    """Run the walker model (``WalkerModel`` unless ``model``) for every CTA
-    of the grid, as the kernel does."""
+         model=None, **model_kw):
+    """Run the walker model (``WalkerModel`` unless ``model``, built with
+    ``model_kw`` besides) for every CTA of the grid, as the kernel does."""
     model = model or WalkerModel
     n_blocks = cdiv(n, tile_n)
     per_cta = []
     for c in range(num_ctas):
-        w = model(masked_m, max_m, n_blocks, tile_m, c, num_ctas, cluster_n, c % cluster_n, balance)
+        w = model(masked_m, max_m, n_blocks, tile_m, c, num_ctas, cluster_n, c % cluster_n, balance, **model_kw)
         tiles = []
         e, mb, nb, valid_rows, ok = w.work()
         while ok:
@@ -329,8 +329,8 @@ class NMajorWalkerModel:
     is <= r, as the device's ballot and popc do."""
 
     def __init__(self, masked_m, max_m, num_n_blocks, tile_m, block_idx, grid_size, cluster_n=1,
-                 cta_rank=0, balance=False):
-        self.masked_m, self.max_m, self.tile_m = masked_m, max_m, tile_m
+                 cta_rank=0, balance=False, window=0):
+        self.masked_m, self.max_m, self.tile_m, self.window = masked_m, max_m, tile_m, window
         self.num_experts = len(masked_m)
         self.num_n_groups = cdiv(num_n_blocks, cluster_n)
         self.num_clusters = grid_size // cluster_n
@@ -361,21 +361,28 @@ class NMajorWalkerModel:
         units = self.m_total * self.num_n_groups
         ok = self.linear_idx < units
         u = min(self.linear_idx, max(units - 1, 0))
-        n_group = u // max(self.m_total, 1)
-        r = u - n_group * self.m_total
+        ng, w = self.num_n_groups, self.window
+        n_group, r = (0, u) if w else divmod(u, max(self.m_total, 1))
         expert = m_block = rows = 0
         base, searching = 0, ok
         while searching:
             lane_rows, blocks = self._lane_blocks(base)
             incl = [sum(blocks[: lane + 1]) for lane in range(32)]
-            if r < incl[31]:
+            chunk_units = incl[31] * ng if w else incl[31]
+            if r < chunk_units:
+                if w:  # popc(ballot(window-start lanes with units before them <= r))
+                    excl = [x - b for x, b in zip(incl, blocks)]
+                    first = (sum(1 for lane in range(0, 32, w) if excl[lane] * ng <= r) - 1) * w
+                    before = excl[first]
+                    n_group, rest = divmod(r - before * ng, incl[first + w - 1] - before)
+                    r = before + rest
                 e_in = sum(1 for x in incl if x <= r)  # popc(ballot(incl <= r))
                 expert = base + e_in
                 m_block = r - (incl[e_in] - blocks[e_in])
                 rows = lane_rows[e_in]
                 searching = False
             else:
-                r -= incl[31]
+                r -= chunk_units
                 base += 32
                 searching = base < self.num_experts
         valid_rows = min(rows - m_block * self.tile_m, self.tile_m)
@@ -452,6 +459,64 @@ def test_n_major_first_tile_guess(cluster_n):
         for c in range(cluster_n * 66):
             expert, n_block, in_range = NMajorTileScheduler.first_tile_guess(
                 c // cluster_n, c % cluster_n, n_blocks, e_count, cluster_n
+            )
+            assert bool(in_range) == bool(order[c]), (c, masked_m)
+            if order[c]:
+                assert (expert, 0, n_block) == order[c][0], (c, masked_m)
+
+
+@pytest.mark.parametrize("window", (1, 2, 4, 8, 32))
+def test_n_major_window_walker_matches_tile_order(window):
+    """GemmConfig.n_major_window: every valid tile once, in the model's
+    window-by-window order, for plain, clustered and balanced grids; every
+    expert of a window is dealt before any unit of a later window."""
+    for case in CASES[window % 4::4][:30]:
+        masked_m, max_m, n, tile_m, tile_n, num_ctas = case
+        for cluster_n, balance in ((1, False), (2, False), (2, True)):
+            grid = cluster_n * max(1, num_ctas // cluster_n)
+            args = (masked_m, max_m, n, tile_m, tile_n, grid)
+            order = tile_order(*args, cluster_n=cluster_n, balance=balance, n_major=True, window=window)
+            got = walk_n_major(*args, cluster_n=cluster_n, balance=balance, window=window)
+            assert got == order, case_id(case)
+            tiles = Counter(t for cta in order for t in cta)
+            assert all(c == 1 for c in tiles.values()), case_id(case)
+            assert set(tiles) == valid_tiles(masked_m, max_m, n, tile_m, tile_n), case_id(case)
+            clusters = [cta for cta in order[::cluster_n]]
+            seq = [t for i in range(max(map(len, clusters), default=0)) for cta in clusters if i < len(cta)
+                   for t in [cta[i]]]
+            windows = [e // window for e, _, _ in seq]
+            assert windows == sorted(windows), case_id(case)
+        if window == 1:  # one expert per window: the expert-major order itself
+            assert order == tile_order(*args, cluster_n=2, balance=True), case_id(case)
+
+
+def test_n_major_window_order_by_hand():
+    # e0: 1 m-block, e1: empty, e2: 2 m-blocks, e3: 1; 2 n-blocks; windows of
+    # 2: (e0, e1) by n-group, then (e2, e3) by n-group
+    masked_m = [3, 0, 500, 7]
+    order = tile_order(masked_m, 130, 256, 128, 128, 8, n_major=True, window=2)
+    seq = [cta[0] for cta in order if cta]
+    assert seq == [(0, 0, 0), (0, 0, 1), (2, 0, 0), (2, 1, 0), (3, 0, 0), (2, 0, 1), (2, 1, 1), (3, 0, 1)]
+    assert walk_n_major(masked_m, 130, 256, 128, 128, 8, window=2) == order
+    # an empty window is skipped
+    assert walk_n_major([0, 0, 5, 9], 64, 128, 64, 64, 3, window=2) == tile_order(
+        [0, 0, 5, 9], 64, 128, 64, 64, 3, n_major=True, window=2
+    )
+
+
+@pytest.mark.parametrize("cluster_n", (1, 2))
+@pytest.mark.parametrize("window", (2, 4))
+def test_n_major_window_first_tile_guess(cluster_n, window):
+    from flashgemm.scheduler import NMajorTileScheduler
+
+    rng = random.Random(11 + cluster_n + window)
+    for e_count, n in ((1, 120), (3, 7168), (8, 7168), (16, 1536)):
+        masked_m = [rng.randint(1, 64) for _ in range(e_count)]
+        n_blocks = cdiv(n, 64)
+        order = tile_order(masked_m, 1024, n, 64, 64, cluster_n * 66, cluster_n, n_major=True, window=window)
+        for c in range(cluster_n * 66):
+            expert, n_block, in_range = NMajorTileScheduler.first_tile_guess(
+                c // cluster_n, c % cluster_n, n_blocks, e_count, cluster_n, window
             )
             assert bool(in_range) == bool(order[c]), (c, masked_m)
             if order[c]:

@@ -464,6 +464,9 @@ def test_public_unsupported_config_on_cpu():
         (GemmConfig(split_last_round=True, dynamic=True), r"config\.split_last_round applies to the static"),
         (GemmConfig(split_last_round=True, balance_rounds=True), r"turn off config\.dynamic"),
         (GemmConfig(split_last_round=True, n_major=True), r"expert-major order"),
+        (GemmConfig(n_major_window=2), r"config\.n_major_window must be 0, or a power of two .*\(n_major=False\)"),
+        (GemmConfig(n_major=True, n_major_window=3), r"config\.n_major_window .* got 3"),
+        (GemmConfig(n_major=True, n_major_window=64), r"up to 32 .* got 64"),
     ],
 )
 def test_config_validate_rejects(cfg, pattern):
