@@ -481,9 +481,8 @@ def test_n_major_window_walker_matches_tile_order(window):
             tiles = Counter(t for cta in order for t in cta)
             assert all(c == 1 for c in tiles.values()), case_id(case)
             assert set(tiles) == valid_tiles(masked_m, max_m, n, tile_m, tile_n), case_id(case)
-            clusters = [cta for cta in order[::cluster_n]]
-            seq = [t for i in range(max(map(len, clusters), default=0)) for cta in clusters if i < len(cta)
-                   for t in [cta[i]]]
+            clusters = order[::cluster_n]  # dealt round by round, cluster by cluster
+            seq = [cta[i] for i in range(max(map(len, clusters), default=0)) for cta in clusters if i < len(cta)]
             windows = [e // window for e, _, _ in seq]
             assert windows == sorted(windows), case_id(case)
         if window == 1:  # one expert per window: the expert-major order itself
