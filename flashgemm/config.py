@@ -76,6 +76,11 @@ class GemmConfig:
         fetch only those that hold a valid row (``mainloop.produce_tile``);
         the others are not loaded, and each slot's barrier expects only the
         bytes that are.
+    epi_whole_tile: the epilogue's staging area holds the whole output tile
+        (tile_n / 32 buffers instead of 2), so the consumers stage every
+        sub-tile and meet the store warp at two named barriers per tile
+        instead of two per sub-tile (``epilogue``); costs shared memory, so
+        fewer stages may fit.
     """
 
     tile_m: int = 128
@@ -120,6 +125,7 @@ class GemmConfig:
     # in 128-row tiles loads 110 rows of A for nothing in its second m-block,
     # and every cluster of n-blocks loads them again from L2.
     a_chunk_rows: int = 0
+    epi_whole_tile: bool = False
 
     def __post_init__(self):
         # The launcher hashes the config into its plan key on every call; the
@@ -148,6 +154,11 @@ class GemmConfig:
         # staging buffer at 4 KiB per 64 rows and stage.
         return (self.tile_m, 32)
 
+    @property
+    def epi_buffers(self) -> int:
+        """Staging buffers of one epi_tile each: the whole tile, or a pair."""
+        return self.tile_n // self.epi_tile[1] if self.epi_whole_tile else EPI_STAGES
+
     def n_groups(self, n: int) -> int:
         """Units of work along N: ceil(ceil(N / tile_n) / cluster_n)."""
         return -(-(-(-n // self.tile_n)) // self.cluster_n)
@@ -172,7 +183,7 @@ class GemmConfig:
 
     def epi_bytes(self, out_elem_bytes: int = 2) -> int:
         em, en = self.epi_tile
-        return em * en * out_elem_bytes * EPI_STAGES
+        return em * en * out_elem_bytes * self.epi_buffers
 
     def resolved_stages(self, elem_bytes: int = 2, out_elem_bytes: int = 2) -> int:
         """Stages actually used: the explicit count, or as many as fit."""
@@ -289,6 +300,7 @@ class GemmConfig:
             + (f"-w{self.n_major_window}" if self.n_major_window else "")
             + ("-split" if self.split_last_round else "")
             + (f"-ac{self.a_chunk_rows}" if self.a_chunk_rows else "")
+            + ("-ew" if self.epi_whole_tile else "")
         )
 
 
@@ -464,11 +476,25 @@ FP8_MID_N64_CONFIG = dataclasses.replace(
 # against two and a half split ones), while uniform routing gave 0.890. So
 # the 192-wide tile is taken only where the host expects at least
 # FP8_WIDE_MIN_ROUNDS rounds of it (``fp8_prefill_wide``).
+# The 192-wide tile stages its whole output tile before the store warp takes
+# it (epi_whole_tile): two named barriers per tile instead of twelve, for
+# 32 KiB more staging and one stage fewer (4). Paired A/B on H100,
+# 2026-11-24 (`ab_revision.py --set epi_whole_tile=1 --dtype fp8`, 6 and 10
+# rounds, bit-identical outputs), uniform / skewed routing: dsv3-prefill-down
+# 0.955-0.956 / 0.958-0.964, E8 m512 N7168 K2048 0.966 / 0.964-0.965, E16
+# m384 N4096 K1536 0.970 / 0.971, E16 m512 N1536 K2048 0.990 / 0.986. The
+# 128-wide long-K tile tied (dsv3-prefill-gate_up 0.991-1.000 / 0.980-0.995,
+# dense-like 0.990-1.052 / 0.972-0.996, E8 m512 N4096 K7168 0.994 / 1.002;
+# one stage fewer, 5), the fp8 mid tiles, mostly partial tiles, lost
+# (dsv3-ep32 1.018-1.041), and bf16 prefill (128x256, 3 stages instead of 4)
+# moved by 0.978-1.031: those keep two buffers.
 FP8_PREFILL_CONFIG = dataclasses.replace(
     FP8_MID_CONFIG, tile_n=192, promote_overlap=False, n_major=False, balance_rounds=False,
-    split_last_round=True, a_chunk_rows=0,
+    split_last_round=True, a_chunk_rows=0, epi_whole_tile=True,
 )
-FP8_PREFILL_N128_CONFIG = dataclasses.replace(FP8_PREFILL_CONFIG, tile_n=128, promote_overlap=True)
+FP8_PREFILL_N128_CONFIG = dataclasses.replace(
+    FP8_PREFILL_CONFIG, tile_n=128, promote_overlap=True, epi_whole_tile=False
+)
 FP8_WIDE_MIN_ROUNDS = 4
 FP8_WIDE_MAX_K = 2048
 # Calls with signals: the expert-major order, found by the n-major walker

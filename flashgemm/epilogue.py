@@ -14,6 +14,13 @@ Per tile, chosen uniformly for all its threads:
   ``epi_tile`` sub-tile into a 2-buffer staging area; at a named barrier the
   store warp takes it and issues the bulk tensor store (the TMA unit clips
   columns past N); a second barrier frees the buffer again.
+  With ``GemmConfig.epi_whole_tile`` the staging area holds every sub-tile:
+  the consumers first meet the store warp at a barrier that says the last
+  tile's bulk stores have read the area (the store warp waited for that
+  before arriving, and does so before every tile, full or partial, since a
+  partial tile reuses buffer 0), stage all sub-tiles, and meet it once more;
+  the store warp then issues every store. Two barriers per tile instead of
+  two per sub-tile.
 * partial tile (an expert's last m-block, and every tile in decode where
   m_e < tile_m): a TMA store cannot be used, its box would write rows between
   m_e and the end of the tile, which belong to the caller. The consumers
@@ -87,8 +94,10 @@ class TileEpilogue(_NoLoopState):
         epi_barrier: pipeline.NamedBarrier,  # consumers + the store warp
         consumer_barrier: pipeline.NamedBarrier,  # the consumers alone
         epi_tile: tuple,
+        whole_tile: bool = False,  # GemmConfig.epi_whole_tile
     ):
         self.accumulators = accumulators
+        self.whole_tile = whole_tile
         self.gD_mem = gD_mem
         self.tile_mn = tile_mn
         self.out_dtype = out_dtype
@@ -135,6 +144,8 @@ class TileEpilogue(_NoLoopState):
     ):
         """Store one tile; returns the advanced signal-pipeline state."""
         full, row_lo, row_hi = tile_rows(valid_rows, half, self.tile_mn[0])
+        if cutlass.const_expr(self.whole_tile):
+            self.epi_barrier.arrive_and_wait()  # the last tile's stores have read sD
         if full:
             self._stage_full(epi_tile_count(self.tile_mn))
         else:
@@ -163,14 +174,20 @@ class TileEpilogue(_NoLoopState):
 
     @cute.jit
     def _stage_full(self, epi_tiles: cutlass.Constexpr):
-        num_bufs = cute.size(self.tRS_sD, mode=[3])
-        for epi_idx in cutlass.range_constexpr(epi_tiles):
-            self._stage(epi_idx, epi_idx % num_bufs)
+        if cutlass.const_expr(self.whole_tile):
+            for epi_idx in cutlass.range_constexpr(epi_tiles):
+                self._stage(epi_idx, epi_idx)
             # stmatrix writes are generic-proxy; the bulk store reads through
             # the async proxy
             cute.arch.fence_proxy("async.shared", space="cta")
-            self.epi_barrier.arrive_and_wait()  # sub-tile staged
-            self.epi_barrier.arrive_and_wait()  # the other buffer is free again
+            self.epi_barrier.arrive_and_wait()  # every sub-tile staged
+        else:
+            num_bufs = cute.size(self.tRS_sD, mode=[3])
+            for epi_idx in cutlass.range_constexpr(epi_tiles):
+                self._stage(epi_idx, epi_idx % num_bufs)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                self.epi_barrier.arrive_and_wait()  # sub-tile staged
+                self.epi_barrier.arrive_and_wait()  # the other buffer is free again
 
     @cute.jit
     def _store_partial(
@@ -232,7 +249,9 @@ class TileStorer(_NoLoopState):
         epi_tile: tuple,
         is_lane0,
         epi_barrier: pipeline.NamedBarrier,
+        whole_tile: bool = False,  # GemmConfig.epi_whole_tile
     ):
+        self.whole_tile = whole_tile
         self.sD = sD
         self.tma_atom_d = tma_atom_d
         self.gD_tma = gD_tma
@@ -256,6 +275,10 @@ class TileStorer(_NoLoopState):
     ):
         """Store (full tile) or publish (partial tile) one tile; returns the
         advanced signal-pipeline state."""
+        if cutlass.const_expr(self.whole_tile):
+            if self.is_lane0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            self.epi_barrier.arrive_and_wait()  # sD free for this tile
         if tile_rows(valid_rows, half, self.tile_mn[0])[0]:
             self._store_full(expert, m_block, n_block)
             if cutlass.const_expr(sig_pipeline is not None):
@@ -296,18 +319,29 @@ class TileStorer(_NoLoopState):
         epi_rest = gD_epi.shape[1]
         epi_rest_layout = cute.make_layout(epi_rest, stride=(epi_rest[1], 1))
         num_bufs = cute.size(self.sD, mode=[2])
-        for epi_idx in cutlass.range_constexpr(epi_tile_count(self.tile_mn)):
-            self.epi_barrier.arrive_and_wait()  # sub-tile staged
+        if cutlass.const_expr(self.whole_tile):
+            self.epi_barrier.arrive_and_wait()  # every sub-tile staged
             if self.is_lane0:
-                cute.copy(
-                    self.tma_atom_d,
-                    bSG_sD[(None, epi_idx % num_bufs)],
-                    bSG_gD[(None, epi_rest_layout.get_hier_coord(epi_idx))],
-                )
+                for epi_idx in cutlass.range_constexpr(epi_tile_count(self.tile_mn)):
+                    cute.copy(
+                        self.tma_atom_d,
+                        bSG_sD[(None, epi_idx)],
+                        bSG_gD[(None, epi_rest_layout.get_hier_coord(epi_idx))],
+                    )
                 cute.arch.cp_async_bulk_commit_group()
-                # the buffer the consumers write next has been read
-                cute.arch.cp_async_bulk_wait_group(num_bufs - 1, read=True)
-            self.epi_barrier.arrive_and_wait()
+        else:
+            for epi_idx in cutlass.range_constexpr(epi_tile_count(self.tile_mn)):
+                self.epi_barrier.arrive_and_wait()  # sub-tile staged
+                if self.is_lane0:
+                    cute.copy(
+                        self.tma_atom_d,
+                        bSG_sD[(None, epi_idx % num_bufs)],
+                        bSG_gD[(None, epi_rest_layout.get_hier_coord(epi_idx))],
+                    )
+                    cute.arch.cp_async_bulk_commit_group()
+                    # the buffer the consumers write next has been read
+                    cute.arch.cp_async_bulk_wait_group(num_bufs - 1, read=True)
+                self.epi_barrier.arrive_and_wait()
 
     @cute.jit
     def tail(self):

@@ -12,7 +12,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
 from cutlass.tensor_utils.layout import LayoutEnum
 
-from .config import EPI_STAGES, GemmConfig
+from .config import GemmConfig
 from .dynamic_scheduler import FEED_STAGES, TileFeed, producer_next_unit, reader_warps
 from .epilogue import SIGNAL_STAGES, TileEpilogue, TileStorer
 from .mainloop import consume_tile, consume_tile_blockscaled, produce_tile, skip_tile
@@ -123,7 +123,7 @@ class MaskedGroupedGemmSm90:
         self.acc_dtype = cutlass.Float32
         self.tile_mnk = config.tile_mnk
         self.stages = config.resolved_stages(ab_dtype.width // 8, out_dtype.width // 8)
-        self.epi_stages = EPI_STAGES
+        self.epi_stages = config.epi_buffers
         self.num_consumer_wg = config.consumer_warpgroups
         self.num_consumer_threads = 128 * self.num_consumer_wg
         self.threads = config.threads
@@ -622,7 +622,7 @@ class MaskedGroupedGemmSm90:
                 # the store warp: bulk stores and signals, off the wgmma warps
                 storer = TileStorer(
                     sD, tma_atom_d, gD_tma, tile_mn, self.epi_tile,
-                    cute.arch.lane_idx() == 0, epi_barrier,
+                    cute.arch.lane_idx() == 0, epi_barrier, self.config.epi_whole_tile,
                 )
                 sched, claims = self._start_walk(walk_args, feed, None, balance)
                 work = sched.work()
@@ -669,7 +669,7 @@ class MaskedGroupedGemmSm90:
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             epi = TileEpilogue(
                 tiled_mma, accumulators, sD, gD_mem, tile_mn, self.out_dtype, consumer_tidx,
-                epi_barrier, consumer_barrier, self.epi_tile,
+                epi_barrier, consumer_barrier, self.epi_tile, self.config.epi_whole_tile,
             )
             sched, claims = self._start_walk(walk_args, feed, None, balance)
             work = sched.work()

@@ -230,11 +230,11 @@ def parse_config(name: str):
 
     from flashgemm.config import GemmConfig
 
-    m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)wg(\d+)c1x(\d+)(-l2hint)?(-nopdl)?(-dyn)?(-nowarm)?(-po)?(-bal)?(-nmaj)?(?:-w(\d+))?(-split)?(?:-ac(\d+))?", name)
+    m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)wg(\d+)c1x(\d+)(-l2hint)?(-nopdl)?(-dyn)?(-nowarm)?(-po)?(-bal)?(-nmaj)?(?:-w(\d+))?(-split)?(?:-ac(\d+))?(-ew)?", name)
     if not m:
         raise SystemExit(
             f"--configs: cannot read {name!r} "
-            "(expected e.g. m64n64k64s0wg1c1x2[-l2hint][-nopdl][-dyn][-nowarm][-po][-bal][-nmaj][-w1][-split][-ac32])"
+            "(expected e.g. m64n64k64s0wg1c1x2[-l2hint][-nopdl][-dyn][-nowarm][-po][-bal][-nmaj][-w1][-split][-ac32][-ew])"
         )
     tm, tn, tk, st, wg, cn = map(int, m.groups()[:6])
     return GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=st, consumer_warpgroups=wg, cluster_n=cn,
@@ -242,7 +242,8 @@ def parse_config(name: str):
                       dynamic=m.group(9) is not None, l2_warmup=m.group(10) is None,
                       promote_overlap=m.group(11) is not None, balance_rounds=m.group(12) is not None,
                       n_major=m.group(13) is not None, n_major_window=int(m.group(14) or 0),
-                      split_last_round=m.group(15) is not None, a_chunk_rows=int(m.group(16) or 0))
+                      split_last_round=m.group(15) is not None, a_chunk_rows=int(m.group(16) or 0),
+                      epi_whole_tile=m.group(17) is not None)
 
 
 def parse_config_changes(items, error):

@@ -9,7 +9,7 @@ import pytest
 
 from flashgemm import compile as fg_compile
 from flashgemm.__main__ import ptx_features
-from flashgemm.config import FP8_HEURISTIC_CONFIGS, HEURISTIC_CONFIGS
+from flashgemm.config import FP8_HEURISTIC_CONFIGS, HEURISTIC_CONFIGS, SM90_SMEM_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,37 @@ def test_fp8_ptx(fp8_ptx_by_config, cfg):
     assert {"wgmma", "fp8-wgmma", "tma-load", "tma-store"} <= set(ptx_features(ptx))
     _check_balance_ptx(ptx, cfg)
     _check_a_loads(ptx, cfg, fp8=True)
+
+
+@pytest.mark.parametrize(
+    "cfg, dtype",
+    [
+        (next(c for c in HEURISTIC_CONFIGS if c.tile_n == 256), "bf16"),  # 8 sub-tiles
+        (next(c for c in FP8_HEURISTIC_CONFIGS if c.tile_n == 192), "fp8e4m3"),  # 6 sub-tiles
+    ],
+    ids=["bf16-n256", "fp8-n192"],
+)
+def test_epi_whole_tile_staging(cfg, dtype):
+    """With epi_whole_tile the store warp waits once per tile for its bulk
+    stores to have read the staging area, instead of once per sub-tile, and
+    the area holds every sub-tile (fewer stages fit)."""
+    sub_tiles = cfg.tile_n // 32
+    ptx = {}
+    for whole in (False, True):
+        c = dataclasses.replace(cfg, epi_whole_tile=whole)
+        ptx[whole] = fg_compile.build(c, dtype, arch="sm_90a", keep_ptx=True).__ptx__
+        stores = re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.tile\.bulk_group", ptx[whole])
+        assert len(stores) == sub_tiles
+        read_waits = re.findall(r"cp\.async\.bulk\.wait_group\.read", ptx[whole])
+        assert len(read_waits) == (1 if whole else sub_tiles)
+        assert c.epi_buffers == (sub_tiles if whole else 2)
+    bars = {w: len(re.findall(r"\bbar(?:rier)?\.sync", p)) for w, p in ptx.items()}
+    assert bars[True] < bars[False]
+    elem = 1 if dtype == "fp8e4m3" else 2
+    whole_cfg = dataclasses.replace(cfg, epi_whole_tile=True)
+    assert whole_cfg.epi_bytes() == cfg.tile_m * cfg.tile_n * 2
+    assert whole_cfg.smem_bytes(elem) <= SM90_SMEM_BYTES
+    assert whole_cfg.resolved_stages(elem) < dataclasses.replace(cfg, epi_whole_tile=False).resolved_stages(elem)
 
 
 def test_fp8_config_rules():
