@@ -195,10 +195,12 @@ class TileEpilogue(_NoLoopState):
         row_lo=None,
     ):
         """Rows < valid_rows only (and >= row_lo, a half unit's first row): each
-        sub-tile is staged in buffer 0 (free: the
-        store warp's last bulk store of a full tile reads buffer 1, and it waited
-        for buffer 0's), then read back in 16-byte row pieces that are stored
-        if their row is valid and their columns lie inside N (N % 8 == 0)."""
+        sub-tile is staged in buffer 0 (free: with two buffers the store warp's
+        last bulk store of a full tile reads buffer 1, and it waited for buffer
+        0's; with the whole tile staged, the barrier at the start of every tile
+        says all of them have read), then read back in 16-byte row pieces that
+        are stored if their row is valid and their columns lie inside N
+        (N % 8 == 0)."""
         gD_tile = self.gD_mem[(None, None, m_block, n_block, expert)]
         n_rem = n_total - n_block * self.tile_mn[1]
         for epi_idx in cutlass.range_constexpr(epi_tile_count(self.tile_mn)):
