@@ -320,7 +320,6 @@ class TileStorer(_NoLoopState):
         )
         epi_rest = gD_epi.shape[1]
         epi_rest_layout = cute.make_layout(epi_rest, stride=(epi_rest[1], 1))
-        num_bufs = cute.size(self.sD, mode=[2])
         if cutlass.const_expr(self.whole_tile):
             self.epi_barrier.arrive_and_wait()  # every sub-tile staged
             if self.is_lane0:
@@ -332,6 +331,7 @@ class TileStorer(_NoLoopState):
                     )
                 cute.arch.cp_async_bulk_commit_group()
         else:
+            num_bufs = cute.size(self.sD, mode=[2])
             for epi_idx in cutlass.range_constexpr(epi_tile_count(self.tile_mn)):
                 self.epi_barrier.arrive_and_wait()  # sub-tile staged
                 if self.is_lane0:

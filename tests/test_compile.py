@@ -142,9 +142,9 @@ def test_epi_whole_tile_staging(cfg, dtype):
     stores to have read the staging area, instead of once per sub-tile, and
     the area holds every sub-tile (fewer stages fit)."""
     sub_tiles = cfg.tile_n // 32
+    cfgs = {whole: dataclasses.replace(cfg, epi_whole_tile=whole) for whole in (False, True)}
     ptx = {}
-    for whole in (False, True):
-        c = dataclasses.replace(cfg, epi_whole_tile=whole)
+    for whole, c in cfgs.items():
         ptx[whole] = fg_compile.build(c, dtype, arch="sm_90a", keep_ptx=True).__ptx__
         stores = re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.tile\.bulk_group", ptx[whole])
         assert len(stores) == sub_tiles
@@ -154,10 +154,9 @@ def test_epi_whole_tile_staging(cfg, dtype):
     bars = {w: len(re.findall(r"\bbar(?:rier)?\.sync", p)) for w, p in ptx.items()}
     assert bars[True] < bars[False]
     elem = 1 if dtype == "fp8e4m3" else 2
-    whole_cfg = dataclasses.replace(cfg, epi_whole_tile=True)
-    assert whole_cfg.epi_bytes() == cfg.tile_m * cfg.tile_n * 2
-    assert whole_cfg.smem_bytes(elem) <= SM90_SMEM_BYTES
-    assert whole_cfg.resolved_stages(elem) < dataclasses.replace(cfg, epi_whole_tile=False).resolved_stages(elem)
+    assert cfgs[True].epi_bytes() == cfg.tile_m * cfg.tile_n * 2
+    assert cfgs[True].smem_bytes(elem) <= SM90_SMEM_BYTES
+    assert cfgs[True].resolved_stages(elem) < cfgs[False].resolved_stages(elem)
 
 
 def test_fp8_config_rules():
