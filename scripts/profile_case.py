@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
-from bench import CASES_FILE, DISTRIBUTIONS, case_operands, draw_masked_m  # noqa: E402
+from bench import CASES_FILE, DISTRIBUTIONS, case_operands, draw_masked_m, parse_config  # noqa: E402
 
 
 def main():
@@ -35,6 +35,7 @@ def main():
     p.add_argument("--dtype", choices=["bf16", "fp8"], default="fp8")
     p.add_argument("--dist", choices=DISTRIBUTIONS, default="uniform")
     p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--config", help="a config short name (bench.py --configs) instead of the heuristic's")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_case.py needs a CUDA GPU")
@@ -48,9 +49,11 @@ def main():
     masked_m = draw_masked_m(case, seed, args.dist).cuda()
     a, b, a_scale, b_scale = case_operands(case, seed, fp8)
     out = torch.empty(case["E"], case["max_m"], case["N"], device="cuda", dtype=torch.bfloat16)
+    config = parse_config(args.config) if args.config else None
     for _ in range(args.calls):
         flashgemm.grouped_gemm_nt_masked(
-            a, b, out, masked_m, expected_m=case["expected_m"], a_scale=a_scale, b_scale=b_scale
+            a, b, out, masked_m, expected_m=case["expected_m"], a_scale=a_scale, b_scale=b_scale,
+            config=config,
         )
     torch.cuda.synchronize()
     print(f"{args.case} {args.dtype} {args.dist}: {args.calls} calls")

@@ -124,6 +124,11 @@ def test_fp8_ptx(fp8_ptx_by_config, cfg):
     # is waited for (wait_group 1); one product set waits for everything
     waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx))
     assert waits == ({"0", "1"} if cfg.promote_overlap else {"0"})
+    # the next k-tile's weight scales are loaded between a chain's commit and
+    # its wait, while the tensor cores run it, not on the way to the issue
+    in_flight = re.findall(r"wgmma\.commit_group\.sync\.aligned;(.*?)wgmma\.wait_group", ptx, re.S)
+    weight_scale_loads = len(re.findall(r"ld\.global\.b32", "".join(in_flight)))
+    assert weight_scale_loads >= (2 if 128 % cfg.tile_n else 1)  # two blocks if it straddles
     assert {"wgmma", "fp8-wgmma", "tma-load", "tma-store"} <= set(ptx_features(ptx))
     _check_balance_ptx(ptx, cfg)
     _check_a_loads(ptx, cfg, fp8=True)
