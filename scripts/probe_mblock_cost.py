@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""What an expert's partial last m-block costs: one case timed with its
+masked_m and with masked_m clamped to the tile's rows (every expert then
+fits one m-block), on the same config, in interleaved rounds.
+
+The clamped run drops the second m-blocks' work (a few rows each, but a
+whole unit of the grid, which reads its weight tile again from L2) while
+moving almost the same bytes, so the ratio bounds what any scheme that
+folds those rows into the first m-block's unit could gain.
+
+    python scripts/probe_mblock_cost.py --cases dsv3-ep32-gate_up dsv3-ep32-down --dtype fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+import flashgemm  # noqa: E402
+from bench import CASES_FILE, case_operands, draw_masked_m, paired_median, time_graph_rounds  # noqa: E402
+from flashgemm.config import choose_config  # noqa: E402
+
+
+def probe(case, seed, fp8, dist, rounds, reps):
+    e, max_m, n, k = case["E"], case["max_m"], case["N"], case["K"]
+    masked = draw_masked_m(case, seed, dist)
+    a, b, sa, sb = case_operands(case, seed, fp8=fp8)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = choose_config(case["expected_m"], max_m, n, k, num_sms, fp8, e)
+    out = torch.empty(e, max_m, n, device="cuda", dtype=torch.bfloat16)
+    fns = []
+    for m in (masked, masked.clamp(max=cfg.tile_m)):
+        m = m.cuda()
+        fns.append(lambda m=m: flashgemm.grouped_gemm_nt_masked(
+            a, b, out, m, a_scale=sa, b_scale=sb, config=cfg))
+    samples = time_graph_rounds(fns, rounds=rounds, reps=reps)
+    us = [statistics.median(s) * 1e3 for s in samples]
+    ratio = paired_median(lambda full, one: one / full, *samples)
+    return cfg, masked.tolist(), us, ratio
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", nargs="+", default=["dsv3-ep32-gate_up", "dsv3-ep32-down"])
+    p.add_argument("--dtype", choices=["bf16", "fp8"], default="fp8")
+    p.add_argument("--dist", default="uniform")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("probe_mblock_cost.py needs a CUDA GPU (none found)")
+    spec = json.load(open(CASES_FILE))
+    print("| case | config | masked_m | us | clamped to tile_m us | clamped / full |")
+    print("|---|---|---|---|---|---|")
+    for name in args.cases:
+        case = next(c for c in spec["cases"] if c["name"] == name)
+        cfg, masked, us, ratio = probe(case, spec["cases"].index(case), args.dtype == "fp8",
+                                       args.dist, args.rounds, args.reps)
+        print(f"| {name} | {cfg.short_name()} | {masked} | {us[0]:.1f} | {us[1]:.1f} | {ratio:.3f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
