@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
-from bench import CASES_FILE, case_operands, draw_masked_m, paired_median, time_graph_rounds  # noqa: E402
+from bench import CASES_FILE, DISTRIBUTIONS, case_operands, draw_masked_m, paired_median, time_graph_rounds  # noqa: E402
 from flashgemm.config import choose_config  # noqa: E402
 
 
@@ -50,18 +50,23 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", default=["dsv3-ep32-gate_up", "dsv3-ep32-down"])
     p.add_argument("--dtype", choices=["bf16", "fp8"], default="fp8")
-    p.add_argument("--dist", default="uniform")
+    # (skewed routing also clamps the hot experts' real m-blocks: no bound there)
+    p.add_argument("--dist", choices=DISTRIBUTIONS, default="uniform")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
+    spec = json.load(open(CASES_FILE))
+    names = [c["name"] for c in spec["cases"]]
+    unknown = [c for c in args.cases if c not in names]
+    if unknown:
+        p.error(f"unknown case(s) {', '.join(unknown)}; one of {', '.join(names)}")
     if not torch.cuda.is_available():
         sys.exit("probe_mblock_cost.py needs a CUDA GPU (none found)")
-    spec = json.load(open(CASES_FILE))
     print("| case | config | masked_m | us | clamped to tile_m us | clamped / full |")
     print("|---|---|---|---|---|---|")
     for name in args.cases:
-        case = next(c for c in spec["cases"] if c["name"] == name)
-        cfg, masked, us, ratio = probe(case, spec["cases"].index(case), args.dtype == "fp8",
+        seed = names.index(name)  # as in bench.py
+        cfg, masked, us, ratio = probe(spec["cases"][seed], seed, args.dtype == "fp8",
                                        args.dist, args.rounds, args.reps)
         print(f"| {name} | {cfg.short_name()} | {masked} | {us[0]:.1f} | {us[1]:.1f} | {ratio:.3f} |",
               flush=True)
