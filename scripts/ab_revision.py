@@ -28,6 +28,10 @@ change timed on a config the heuristic does not pick).
 ``--shape E,MAX_M,EXPECTED_M,N,K`` (repeatable) runs shapes outside the case
 file, drawn the same way (without ``--cases``, only those).
 
+``--no-check`` skips the bit-for-bit comparison: for a bound measured with a
+timing-only change that computes wrong results on purpose (such as leaving
+out a load), never for a change meant to be kept.
+
 Each package compiles into the same cache directory under its own keys (the
 source digest is part of the key).
 """
@@ -64,7 +68,9 @@ def tree_config(case, fp8, changes, num_sms=None, package=flashgemm):
     return dataclasses.replace(cfg, **changes)
 
 
-def compare_case(base, case, seed, fp8, dist, rounds, reps, changes=None, num_sms=None, base_changes=None):
+def compare_case(
+    base, case, seed, fp8, dist, rounds, reps, changes=None, num_sms=None, base_changes=None, check=True
+):
     e, max_m, n, em = case["E"], case["max_m"], case["N"], case["expected_m"]
     masked_m = draw_masked_m(case, seed, dist).cuda()
     a, b, a_scale, b_scale = case_operands(case, seed, fp8)
@@ -84,7 +90,7 @@ def compare_case(base, case, seed, fp8, dist, rounds, reps, changes=None, num_sm
     for f in fns:
         f()
     torch.cuda.synchronize()
-    for i, m in enumerate(masked_m.tolist()):
+    for i, m in enumerate(masked_m.tolist() if check else []):
         if not torch.equal(outs[0][i, :m], outs[1][i, :m]):
             raise SystemExit(f"{case['name']}: expert {i} differs between the two sides")
     ours, theirs = time_graph_rounds(fns, rounds=rounds, reps=reps)
@@ -108,6 +114,8 @@ def main():
     p.add_argument("--num-sms", type=int, help="num_sms for both sides' calls (default: every SM)")
     p.add_argument("--shape", action="append", default=[], metavar="E,MAX_M,EXPECTED_M,N,K",
                    help="also run this ad hoc case (seeded by its place after the file's cases)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the bit-for-bit comparison (timing-only changes that compute wrong results)")
     args = p.parse_args()
     if args.both and not args.base:
         p.error("--both applies the --set changes to the --base side too; give --base")
@@ -137,7 +145,8 @@ def main():
     print(f"Device: {torch.cuda.get_device_name()}; heuristic config of each side"
           f"{' (working tree: ' + ', '.join(args.set) + ')' if args.set else ''}; median of "
           f"{args.rounds} interleaved rounds of {args.reps} graph replays; ratio: median per-round ratio"
-          f"{f'; num_sms={args.num_sms}' if args.num_sms else ''}")
+          f"{f'; num_sms={args.num_sms}' if args.num_sms else ''}"
+          f"{'; outputs NOT compared (--no-check)' if args.no_check else ''}")
     print("| dtype | masked_m | case | working tree us | base us | tree / base |")
     print("|---|---|---|---|---|---|")
     for dtype in args.dtype:
@@ -146,7 +155,7 @@ def main():
                 # seed = the case's place in the file, as in bench.py
                 ours, theirs, ratio = compare_case(
                     base, case, spec["cases"].index(case), dtype == "fp8", dist, args.rounds, args.reps, changes,
-                    args.num_sms, changes if args.both else None,
+                    args.num_sms, changes if args.both else None, not args.no_check,
                 )
                 print(f"| {dtype} | {dist} | {case['name']} | {ours:.1f} | {theirs:.1f} | {ratio:.3f} |", flush=True)
 
