@@ -90,9 +90,10 @@ def compare_case(
     for f in fns:
         f()
     torch.cuda.synchronize()
-    for i, m in enumerate(masked_m.tolist() if check else []):
-        if not torch.equal(outs[0][i, :m], outs[1][i, :m]):
-            raise SystemExit(f"{case['name']}: expert {i} differs between the two sides")
+    if check:
+        for i, m in enumerate(masked_m.tolist()):
+            if not torch.equal(outs[0][i, :m], outs[1][i, :m]):
+                raise SystemExit(f"{case['name']}: expert {i} differs between the two sides")
     ours, theirs = time_graph_rounds(fns, rounds=rounds, reps=reps)
     return (1e3 * statistics.median(ours), 1e3 * statistics.median(theirs),
             paired_median(lambda x, y: x / y, ours, theirs))

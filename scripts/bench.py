@@ -69,6 +69,18 @@ def draw_masked_m(case, seed, dist="uniform"):
     return m.to(torch.int32)
 
 
+def cases_by_name(names, error):
+    """(seed, case) of each named case of the case file, its seed being its
+    place in the file as in ``main``; an unknown name goes to ``error``
+    (argparse's ``p.error``) before any GPU work."""
+    cases = json.load(open(CASES_FILE))["cases"]
+    known = [c["name"] for c in cases]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        error(f"unknown case(s) {', '.join(unknown)}; one of {', '.join(known)}")
+    return [(known.index(n), cases[known.index(n)]) for n in names]
+
+
 def case_operands(case, seed, fp8=False, dev="cuda"):
     """Fresh random a [E, max_m, K] and b [E, N, K] / sqrt(K) for a case, from
     torch's generator seeded with ``seed``; with ``fp8``, quantized with the

@@ -14,7 +14,6 @@ folds those rows into the first m-block's unit could gain.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
-from bench import CASES_FILE, DISTRIBUTIONS, case_operands, draw_masked_m, paired_median, time_graph_rounds  # noqa: E402
+from bench import (  # noqa: E402
+    DISTRIBUTIONS, case_operands, cases_by_name, draw_masked_m, paired_median, time_graph_rounds,
+)
 from flashgemm.config import choose_config  # noqa: E402
 
 
@@ -55,20 +56,14 @@ def main():
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
-    spec = json.load(open(CASES_FILE))
-    names = [c["name"] for c in spec["cases"]]
-    unknown = [c for c in args.cases if c not in names]
-    if unknown:
-        p.error(f"unknown case(s) {', '.join(unknown)}; one of {', '.join(names)}")
+    cases = cases_by_name(args.cases, p.error)
     if not torch.cuda.is_available():
         sys.exit("probe_mblock_cost.py needs a CUDA GPU (none found)")
     print("| case | config | masked_m | us | clamped to tile_m us | clamped / full |")
     print("|---|---|---|---|---|---|")
-    for name in args.cases:
-        seed = names.index(name)  # as in bench.py
-        cfg, masked, us, ratio = probe(spec["cases"][seed], seed, args.dtype == "fp8",
-                                       args.dist, args.rounds, args.reps)
-        print(f"| {name} | {cfg.short_name()} | {masked} | {us[0]:.1f} | {us[1]:.1f} | {ratio:.3f} |",
+    for seed, case in cases:
+        cfg, masked, us, ratio = probe(case, seed, args.dtype == "fp8", args.dist, args.rounds, args.reps)
+        print(f"| {case['name']} | {cfg.short_name()} | {masked} | {us[0]:.1f} | {us[1]:.1f} | {ratio:.3f} |",
               flush=True)
 
 

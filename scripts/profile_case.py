@@ -17,7 +17,6 @@ over them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
-from bench import CASES_FILE, DISTRIBUTIONS, case_operands, draw_masked_m, parse_config  # noqa: E402
+from bench import DISTRIBUTIONS, case_operands, cases_by_name, draw_masked_m, parse_config  # noqa: E402
 
 
 def main():
@@ -39,12 +38,7 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_case.py needs a CUDA GPU")
-    cases = json.load(open(CASES_FILE))["cases"]
-    names = [c["name"] for c in cases]
-    if args.case not in names:
-        p.error(f"unknown case {args.case!r}; one of {', '.join(names)}")
-    seed = names.index(args.case)  # as in bench.py
-    case = cases[seed]
+    ((seed, case),) = cases_by_name([args.case], p.error)
     fp8 = args.dtype == "fp8"
     masked_m = draw_masked_m(case, seed, args.dist).cuda()
     a, b, a_scale, b_scale = case_operands(case, seed, fp8)
