@@ -8,9 +8,10 @@ Every implementation runs in the same process on the same data. Times are the
 median of CUDA-event timings after warm-up; FLOPs count valid rows only; the
 effective bytes are what the op must move at least: the weights (and fp8 weight
 scales) of non-empty experts plus the valid rows of A (and its scales) and of
-the output. fp8 rows also print the ratio to DeepGEMM's masked fp8 kernel
-(same recipe) from the times listed in the case file, measured on the same
-H100 model by the maintainers.
+the output. DeepGEMM's masked kernels (bf16, and fp8 with the same recipe) run
+in the same process too when ``deep_gemm`` imports (built from source; see
+docs/benchmarks.md); fp8 rows also print the ratio to DeepGEMM's times listed in
+the case file, measured on the same H100 model by the maintainers.
 
     python scripts/bench.py                       # all cases, markdown table to stdout
     python scripts/bench.py --cases dsv3-ep8-gate_up --json out.json --md docs/benchmarks.md
@@ -210,26 +211,35 @@ def time_triton_peer(results, case, a, b, masked_m, check, reps, a_scale=None, b
         return None
     out = torch.empty(a.shape[0], a.shape[1], b.shape[1], device=a.device, dtype=torch.bfloat16)
     small = case["expected_m"] <= 128
-    best = None
-    for cfg in [c for c in triton_masked.CONFIGS if (c.block_m == 64) == small]:
-        def fn(cfg=cfg):
-            triton_masked.masked_gemm(a, b, out, masked_m, cfg, a_scale, b_scale)
+    candidates = [
+        (cfg.short_name(), lambda cfg=cfg: triton_masked.masked_gemm(a, b, out, masked_m, cfg, a_scale, b_scale))
+        for cfg in triton_masked.CONFIGS if (cfg.block_m == 64) == small
+    ]
+    kept = time_fastest(results, "triton_masked", candidates, out, check, reps, f"{case['name']}: Triton peer")
+    return {"config": kept[0], "err": kept[1]} if kept else None
 
+
+def time_fastest(results, key, candidates, out, check, reps, what):
+    """Time each (label, fn) of ``candidates`` (CUDA-graph replays), keep the
+    fastest in ``results[key]``, poison ``out``, rerun that one and check it
+    with ``check(out)``. Returns (label, error), or None if none ran (each
+    failure is printed, prefixed with ``what``)."""
+    best = None
+    for label, fn in candidates:
         try:
             ms = time_graph(fn, reps=reps)
-        except Exception as exc:  # a Triton build that cannot compile this config
-            print(f"{case['name']}: Triton peer {cfg.short_name()} failed: {exc}", flush=True)
+        except Exception as exc:  # a peer build that cannot run this case or config
+            print(f"{what} {label} failed: {type(exc).__name__}: {exc}", flush=True)
             continue
         if best is None or ms < best[0]:
-            best = (ms, cfg, fn)
+            best = (ms, label, fn)
     if best is None:
         return None
-    ms, cfg, fn = best
+    ms, label, fn = best
     out.fill_(float("nan"))
     fn()
-    err = check(out)
-    results["triton_masked"] = ms
-    return {"config": cfg.short_name(), "err": err}
+    results[key] = ms
+    return label, check(out)
 
 
 QUACK_TUNED = [False]  # --quack-tuned
@@ -318,6 +328,37 @@ def time_quack_peer(results, case, a_packed, bt, rows, check, reps):
     return {"config": "autotuned" if QUACK_TUNED[0] else "default", "err": check(out)}
 
 
+def time_deepgemm_peer(results, case, a, b, masked_m, check, reps, a_scale=None, b_scale=None):
+    """Time DeepGEMM's masked grouped GEMM on the same operands, in the same run:
+    ``deep_gemm.m_grouped_fp8_gemm_nt_masked`` (same 1x128 / 128x128 recipe) when
+    scales are given, else ``m_grouped_bf16_gemm_nt_masked``. DeepGEMM picks its
+    tile from an expected_m hint: both the case's expected_m (what we are given)
+    and 1.2x it (what DeepGEMM's own tests pass) are timed, and the faster is kept.
+    Its output is poisoned, recomputed and checked with ``check(out)``. None when
+    ``deep_gemm`` cannot be imported (no published wheel loads with every torch;
+    scripts/build_deepgemm.sh builds it from a checkout)."""
+    try:
+        import deep_gemm
+    except Exception as exc:  # not installed, or built for another torch
+        print(f"{case['name']}: DeepGEMM peer skipped (deep_gemm not importable: {exc})", flush=True)
+        return None
+    out = torch.empty(a.shape[0], a.shape[1], b.shape[1], device=a.device, dtype=torch.bfloat16)
+    if a_scale is not None:
+        # its M-major, 16-byte aligned scale layout, made once here so no call re-lays it out
+        lhs = (a, deep_gemm.get_mn_major_tma_aligned_tensor(a_scale))
+        rhs = (b, b_scale)
+        gemm = deep_gemm.m_grouped_fp8_gemm_nt_masked
+    else:
+        lhs, rhs, gemm = a, b, deep_gemm.m_grouped_bf16_gemm_nt_masked
+    candidates = [
+        (hint, lambda hint=hint: gemm(lhs, rhs, out, masked_m, hint))
+        for hint in sorted({case["expected_m"], int(case["expected_m"] * 1.2)})
+    ]
+    kept = time_fastest(results, "deepgemm_masked", candidates, out, check, reps,
+                        f"{case['name']}: DeepGEMM peer, expected_m")
+    return {"expected_m": kept[0], "err": kept[1]} if kept else None
+
+
 def _limits_line(limits):
     return (f"limits measured in this run: copy {limits['copy_GBps']:.0f} GB/s (read+write), dense "
             f"8192^3 bf16 mm {limits['bf16_mm_TFLOPS']:.0f} TFLOPS, fp8 rowwise _scaled_mm "
@@ -399,8 +440,12 @@ def run_fp8_case(case, seed, reps, sweep=False, dist="uniform"):
     triton_peer = time_triton_peer(results, case, a, b, masked_m, max_diff, reps, a_scale, b_scale)
     if triton_peer and triton_peer["err"] > 1e-3:
         raise SystemExit(f"{case['name']} fp8: Triton peer wrong (max similarity diff {triton_peer['err']:.2e})")
+    deepgemm_peer = time_deepgemm_peer(results, case, a, b, masked_m, max_diff, reps, a_scale, b_scale)
+    if deepgemm_peer and deepgemm_peer["err"] > 1e-3:
+        raise SystemExit(f"{case['name']} fp8: DeepGEMM peer wrong (max similarity diff {deepgemm_peer['err']:.2e})")
     return {
         "triton_peer": triton_peer,
+        "deepgemm_peer": deepgemm_peer,
         "case": _label(case, dist), "dtype": "fp8", "regime": case["regime"], "dist": dist,
         "E": e_count, "max_m": max_m, "N": n, "K": k, "valid_rows": total_rows,
         "max_similarity_diff": max(errs), "sweep_max_similarity_diff": sweep_err,
@@ -492,8 +537,12 @@ def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
     quack_peer = time_quack_peer(results, case, a_packed, bt, rows, packed_err, reps)
     if quack_peer and quack_peer["err"] > 1e-2:
         raise SystemExit(f"{case['name']}: QuACK peer wrong (max rel err {quack_peer['err']:.2e})")
+    deepgemm_peer = time_deepgemm_peer(results, case, a, b, masked_m, max_err, reps)
+    if deepgemm_peer and deepgemm_peer["err"] > 1e-2:
+        raise SystemExit(f"{case['name']}: DeepGEMM peer wrong (max rel err {deepgemm_peer['err']:.2e})")
     return {
         "triton_peer": triton_peer,
+        "deepgemm_peer": deepgemm_peer,
         "quack_peer": quack_peer,
         "case": _label(case, dist),
         "dist": dist,
@@ -515,6 +564,14 @@ def _quack_mode(rows):
     return ("configuration: " + ", ".join(sorted(modes))) if modes else "not run (quack-kernels absent)"
 
 
+def _deepgemm_mode(rows):
+    hints = sorted({r["deepgemm_peer"]["expected_m"] for r in rows if r.get("deepgemm_peer")})
+    if not hints:
+        return "not run (deep_gemm not importable)"
+    return ("timed in this run with the faster of two expected_m hints per case (the case's and 1.2x; "
+            f"kept: {', '.join(map(str, hints))})")
+
+
 def to_markdown(rows, limits, device, cmd):
     date = datetime.date.today().isoformat()
     lines = [
@@ -525,10 +582,11 @@ def to_markdown(rows, limits, device, cmd):
         "bottleneck). TFLOPS over valid rows; GB/s on effective bytes (weights of non-empty experts + "
         "valid rows of A and out). % roofline: max(bytes / copy bandwidth, FLOPs / dense rate) over "
         "our time. Triton masked: the fastest of its configurations per case. QuACK: varlen-M grouped "
-        f"GEMM on the packed valid rows, {_quack_mode(rows)}.",
+        f"GEMM on the packed valid rows, {_quack_mode(rows)}. DeepGEMM: its masked bf16 kernel "
+        f"{_deepgemm_mode(rows)}.",
         "",
-        "| case | regime | flashgemm us | eager us | TFLOPS | GB/s | % copy BW | % roofline | torch packed us | torch 3D us | Triton masked us | QuACK varlen us | vs packed | vs 3D | vs Triton | vs QuACK | max rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | regime | flashgemm us | eager us | TFLOPS | GB/s | % copy BW | % roofline | torch packed us | torch 3D us | Triton masked us | QuACK varlen us | DeepGEMM us | vs packed | vs 3D | vs Triton | vs QuACK | vs DeepGEMM | max rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ms = r["ms"]
@@ -537,10 +595,10 @@ def to_markdown(rows, limits, device, cmd):
         lines.append(
             f"| {r['case']} | {r['regime']} | {us} | {ms['flashgemm_eager'] * 1e3:.1f} | {tflops} | "
             f"{gbps} | {pct} | {roof} | {_us(packed)} | {_us(ms['torch_grouped_mm_3d'])} | "
-            f"{_us(ms.get('triton_masked'))} | {_us(ms.get('quack_varlen'))} | "
+            f"{_us(ms.get('triton_masked'))} | {_us(ms.get('quack_varlen'))} | {_us(ms.get('deepgemm_masked'))} | "
             f"{_ratio(packed, ms['flashgemm'])} | {_ratio(ms['torch_grouped_mm_3d'], ms['flashgemm'])} | "
             f"{_ratio(ms.get('triton_masked'), ms['flashgemm'])} | {_ratio(ms.get('quack_varlen'), ms['flashgemm'])} | "
-            f"{r['max_rel_err']:.1e} |"
+            f"{_ratio(ms.get('deepgemm_masked'), ms['flashgemm'])} | {r['max_rel_err']:.1e} |"
         )
     return "\n".join(lines)
 
@@ -569,12 +627,13 @@ def fp8_markdown(rows, limits, device, cmd, deepgemm):
         f"Device: {device}; date: {date}; command: `{cmd}`; {_limits_line(limits)}. Block-scaled fp8 (1x128 activation, 128x128 weight scales), "
         "bf16 out; timing as for bf16 (CUDA-graph replay, median of 30). torch peer: "
         "`_scaled_grouped_mm` with rowwise scales on packed valid rows (a simpler recipe). "
-        "DeepGEMM: its masked fp8 kernel's time listed in the case file (same recipe, same H100 "
-        "model, measured by the maintainers, not in this run). GB/s on effective bytes (fp8 weights "
-        "and scales of non-empty experts + valid rows of A, its scales and out).",
+        f"DeepGEMM: its masked fp8 kernel (same recipe) {_deepgemm_mode(rows)}; 'listed' is its "
+        "time in the case file (same H100 model, measured by the maintainers, not in this run). "
+        "GB/s on effective bytes (fp8 weights and scales of non-empty experts + valid rows of A, "
+        "its scales and out).",
         "",
-        "| case | regime | flashgemm us | TFLOPS | GB/s | % copy BW | % roofline | torch fp8 us | vs torch | Triton masked us | vs Triton | DeepGEMM us | vs DeepGEMM | max sim diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | regime | flashgemm us | TFLOPS | GB/s | % copy BW | % roofline | torch fp8 us | vs torch | Triton masked us | vs Triton | DeepGEMM us | vs DeepGEMM | DeepGEMM listed us | vs listed | max sim diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ms = r["ms"]
@@ -585,7 +644,8 @@ def fp8_markdown(rows, limits, device, cmd, deepgemm):
         lines.append(
             f"| {r['case']} | {r['regime']} | {us} | {tflops} | {gbps} | {pct} | {roof} | "
             f"{_us(peer)} | {_ratio(peer, ms['flashgemm'])} | {_us(ms.get('triton_masked'))} | "
-            f"{_ratio(ms.get('triton_masked'), ms['flashgemm'])} | {_us(dg)} | {_ratio(dg, ms['flashgemm'])} | "
+            f"{_ratio(ms.get('triton_masked'), ms['flashgemm'])} | {_us(ms.get('deepgemm_masked'))} | "
+            f"{_ratio(ms.get('deepgemm_masked'), ms['flashgemm'])} | {_us(dg)} | {_ratio(dg, ms['flashgemm'])} | "
             f"{r['max_similarity_diff']:.1e} |"
         )
     return "\n".join(lines)

@@ -5,8 +5,9 @@ The roofline time of a case is max(effective bytes / copy bandwidth, valid-row
 FLOPs / dense matrix-product rate): the copy bandwidth is the one bench.py
 measured in the same run; the dense rates (bf16 mm, fp8 rowwise mm, 8192^3) are
 the ones bench.py measured in the run too (its JSON "limits"), or for older JSON
-the ones listed in the case file for the same H100 model. DeepGEMM's bars use the
-times listed in the case file (not measured in the run).
+the ones listed in the case file for the same H100 model. DeepGEMM's masked
+kernels have two kinds of bars: timed in the run (when bench.py could import
+``deep_gemm``) and, for fp8, the times listed in the case file.
 
     python scripts/plot_bench.py bench.json --out docs/roofline.png
 """
@@ -25,9 +26,11 @@ SERIES = [
     ("torch _grouped_mm packed (bf16)", "bf16", "torch_grouped_mm_packed"),
     ("Triton masked (bf16)", "bf16", "triton_masked"),
     ("QuACK varlen-M (bf16)", "bf16", "quack_varlen"),
+    ("DeepGEMM masked (bf16)", "bf16", "deepgemm_masked"),
     ("flashgemm fp8 (1x128/128x128)", "fp8", "flashgemm"),
     ("torch _scaled_grouped_mm packed (fp8 rowwise)", "fp8", "torch_scaled_grouped_mm_packed"),
     ("Triton masked fp8 (1x128/128x128)", "fp8", "triton_masked"),
+    ("DeepGEMM masked fp8 (1x128/128x128)", "fp8", "deepgemm_masked"),
     ("DeepGEMM fp8, listed time", "fp8", "deepgemm"),
 ]
 

@@ -19,6 +19,18 @@ def _is_hopper() -> bool:
 requires_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GPU")
 
 
+@pytest.fixture(scope="session")
+def bench_script():
+    """scripts/bench.py loaded as a module (its parsing and table helpers need no GPU)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench.py")
+    spec = importlib.util.spec_from_file_location("flashgemm_bench_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def seed():
     # fresh random data every run, but printed so a failure can be replayed

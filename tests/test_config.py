@@ -260,22 +260,11 @@ def test_wave_efficiency_counts_rounds():
     assert 0 < wave_efficiency(MID_CONFIG, 256, 4096, 7168, 132) <= 1
 
 
-def _bench_script():
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench.py")
-    spec = importlib.util.spec_from_file_location("flashgemm_bench_script", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
-def test_benchmark_reads_back_every_config_name():
+def test_benchmark_reads_back_every_config_name(bench_script):
     """scripts/bench.py --configs takes the short names the tables print."""
     from flashgemm.config import FP8_HEURISTIC_CONFIGS
 
-    bench = _bench_script()
+    bench = bench_script
     for cfg in HEURISTIC_CONFIGS + FP8_HEURISTIC_CONFIGS + (GemmConfig(l2_warmup=False, pdl=False),):
         back = bench.parse_config(cfg.short_name())
         assert back.short_name() == cfg.short_name(), cfg
@@ -283,10 +272,10 @@ def test_benchmark_reads_back_every_config_name():
         assert replace(back, stages=cfg.stages) == cfg, cfg
 
 
-def test_benchmark_set_option_reads_fields():
+def test_benchmark_set_option_reads_fields(bench_script):
     """--set FIELD=VALUE of ab_revision.py and bench_overlap.py: bools from 0/1,
     ints as given, and a field GemmConfig lacks goes to the parser's error."""
-    bench = _bench_script()
+    bench = bench_script
     assert bench.parse_config_changes(["n_major=1", "tile_n=64", "pdl=0"], None) == {
         "n_major": True, "tile_n": 64, "pdl": False,
     }
