@@ -9,9 +9,10 @@ median of CUDA-event timings after warm-up; FLOPs count valid rows only; the
 effective bytes are what the op must move at least: the weights (and fp8 weight
 scales) of non-empty experts plus the valid rows of A (and its scales) and of
 the output. DeepGEMM's masked kernels (bf16, and fp8 with the same recipe) run
-in the same process too when ``deep_gemm`` imports (built from source; see
-docs/benchmarks.md); fp8 rows also print the ratio to DeepGEMM's times listed in
-the case file, measured on the same H100 model by the maintainers.
+in the same process too when ``deep_gemm`` imports (scripts/build_deepgemm.sh
+builds it; skipped with a note otherwise); fp8 rows also print the ratio to
+DeepGEMM's times listed in the case file, measured on the same H100 model by
+the maintainers.
 
     python scripts/bench.py                       # all cases, markdown table to stdout
     python scripts/bench.py --cases dsv3-ep8-gate_up --json out.json --md docs/benchmarks.md

@@ -6,9 +6,10 @@
 #   bash scripts/build_deepgemm.sh /path/to/DeepGEMM   # a checkout with its submodules
 #   export PYTHONPATH=/path/to/DeepGEMM:$PYTHONPATH CUDA_HOME=/usr/local/cuda
 #
-# Why not a wheel: no published build loads with the GPU machine's torch
-# (2.11.0+cu130, docs/benchmarks.md), and it has no network for pip to build one.
-# This compiles the extension against the torch that is installed, with
+# Why not a wheel: the sgl-deep-gemm wheels on PyPI do not run with the GPU
+# machine's torch (2.11.0+cu130, docs/benchmarks.md), and that machine has no
+# network to fetch or build one. This compiles the extension against the torch
+# that is installed, with
 # torch.utils.cpp_extension (about a minute on 16 cores); DeepGEMM then compiles
 # each kernel with nvcc on its first call (about 4-8 s each) and caches it under
 # DG_JIT_CACHE_DIR.
