@@ -2,14 +2,6 @@
 
 import sys
 
-import pytest
-
-
-@pytest.fixture
-def bench(bench_script):
-    return bench_script
-
-
 LIMITS = {"copy_GBps": 3000.0, "bf16_mm_TFLOPS": 800.0, "fp8_rowwise_mm_TFLOPS": 1400.0}
 
 
@@ -31,19 +23,19 @@ def _cells(line):
     return [c.strip() for c in line.strip().strip("|").split("|")]
 
 
-def test_deepgemm_peer_is_skipped_when_it_cannot_be_imported(bench, monkeypatch, capsys):
+def test_deepgemm_peer_is_skipped_when_it_cannot_be_imported(bench_script, monkeypatch, capsys):
     """Without deep_gemm the peer returns None, times nothing and says why."""
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # makes `import deep_gemm` raise
     results = {}
-    got = bench.time_deepgemm_peer(results, {"name": "dense-like", "expected_m": 4096},
+    got = bench_script.time_deepgemm_peer(results, {"name": "dense-like", "expected_m": 4096},
                                    None, None, None, None, reps=1)
     assert got is None and results == {}
     assert "DeepGEMM peer skipped" in capsys.readouterr().out
 
 
-def test_fp8_table_has_same_run_and_listed_deepgemm_columns(bench):
+def test_fp8_table_has_same_run_and_listed_deepgemm_columns(bench_script):
     rows = [_row("fp8", {"flashgemm": 0.050, "deepgemm_masked": 0.055}, {"expected_m": 153, "err": 1e-6})]
-    md = bench.fp8_markdown(rows, LIMITS, "H100", "cmd", {"dsv3-ep32-down": {"deepgemm_fp8_us": 60.0}})
+    md = bench_script.fp8_markdown(rows, LIMITS, "H100", "cmd", {"dsv3-ep32-down": {"deepgemm_fp8_us": 60.0}})
     header, body = _table_lines(md)
     cells = dict(zip(_cells(header), _cells(body)))
     assert len(_cells(header)) == len(_cells(body))
@@ -52,15 +44,15 @@ def test_fp8_table_has_same_run_and_listed_deepgemm_columns(bench):
     assert "timed in this run" in md and "kept: 153" in md
 
 
-def test_bf16_table_has_a_deepgemm_column_or_says_it_did_not_run(bench):
+def test_bf16_table_has_a_deepgemm_column_or_says_it_did_not_run(bench_script):
     ms = {"flashgemm": 0.100, "flashgemm_eager": 0.110, "torch_grouped_mm_3d": 1.0}
-    with_peer = bench.to_markdown([_row("bf16", dict(ms, deepgemm_masked=0.125), {"expected_m": 128, "err": 0.0})],
+    with_peer = bench_script.to_markdown([_row("bf16", dict(ms, deepgemm_masked=0.125), {"expected_m": 128, "err": 0.0})],
                                   LIMITS, "H100", "cmd")
     header, body = _table_lines(with_peer)
     cells = dict(zip(_cells(header), _cells(body)))
     assert len(_cells(header)) == len(_cells(body))
     assert (cells["DeepGEMM us"], cells["vs DeepGEMM"]) == ("125.0", "1.25x")
-    without = bench.to_markdown([_row("bf16", ms)], LIMITS, "H100", "cmd")
+    without = bench_script.to_markdown([_row("bf16", ms)], LIMITS, "H100", "cmd")
     assert "not run (deep_gemm not importable)" in without
     body = _table_lines(without)[1]
     assert dict(zip(_cells(header), _cells(body)))["vs DeepGEMM"] == "n/a"

@@ -264,9 +264,8 @@ def test_benchmark_reads_back_every_config_name(bench_script):
     """scripts/bench.py --configs takes the short names the tables print."""
     from flashgemm.config import FP8_HEURISTIC_CONFIGS
 
-    bench = bench_script
     for cfg in HEURISTIC_CONFIGS + FP8_HEURISTIC_CONFIGS + (GemmConfig(l2_warmup=False, pdl=False),):
-        back = bench.parse_config(cfg.short_name())
+        back = bench_script.parse_config(cfg.short_name())
         assert back.short_name() == cfg.short_name(), cfg
         # stages were resolved into the name; everything else comes back equal
         assert replace(back, stages=cfg.stages) == cfg, cfg
@@ -275,8 +274,7 @@ def test_benchmark_reads_back_every_config_name(bench_script):
 def test_benchmark_set_option_reads_fields(bench_script):
     """--set FIELD=VALUE of ab_revision.py and bench_overlap.py: bools from 0/1,
     ints as given, and a field GemmConfig lacks goes to the parser's error."""
-    bench = bench_script
-    assert bench.parse_config_changes(["n_major=1", "tile_n=64", "pdl=0"], None) == {
+    assert bench_script.parse_config_changes(["n_major=1", "tile_n=64", "pdl=0"], None) == {
         "n_major": True, "tile_n": 64, "pdl": False,
     }
 
@@ -287,4 +285,4 @@ def test_benchmark_set_option_reads_fields(bench_script):
         raise Refused(message)
 
     with pytest.raises(Refused, match="no field 'tile_q'"):
-        bench.parse_config_changes(["tile_q=3"], error)
+        bench_script.parse_config_changes(["tile_q=3"], error)
