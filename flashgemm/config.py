@@ -458,7 +458,9 @@ FP8_MID_N64_CONFIG = dataclasses.replace(
 # E16 m384 N4096 K1536 0.961-0.972, E16 m512 N1536 K2048 0.958 (skewed
 # 0.969-1.015); with K 7168 the two tiles tie or the wider loses:
 # dsv3-prefill-gate_up 0.988-1.012, dense-like 0.982-1.050, E8 m512 N4096
-# K7168 0.979-1.008 (docs/benchmarks.md, fifteenth session). In
+# K7168 0.979-1.008 (docs/benchmarks.md, fifteenth session; since the
+# twenty-third session's leaner loop the wider tile wins there too, see
+# FP8_WIDE_ROUND_SLACK). In
 # steady state the wider tile moves fewer shared-memory bytes per FLOP (TMA
 # writes plus wgmma reads, per cycle at the tensor cores' rate: 160 B for
 # 128x128, 139 for 128x192, the SM's limit 128), but with one product set
@@ -497,6 +499,19 @@ FP8_PREFILL_N128_CONFIG = dataclasses.replace(
 )
 FP8_WIDE_MIN_ROUNDS = 4
 FP8_WIDE_MAX_K = 2048
+# Longer K: since the consumer loop runs fewer instructions per k-tile
+# (uniform descriptors, 32-bit scale offsets; twenty-third session) the
+# 192-wide tile is faster per FLOP there too, and loses only where its
+# coarser rounds cost more than that. Paired A/B against 128x128 with two
+# product sets (H100, 2026-11-24, `ab_revision.py --set tile_n=192 --set
+# promote_overlap=0 --set stages=4 --set epi_whole_tile=1`, uniform routing;
+# expected rounds 192 / 128 in brackets): dsv3-prefill-gate_up 0.960-0.976
+# (6 / 9), E8 m512 N4096 K7168 0.960 (6 / 9), E16 m384 N4096 K7168 0.987
+# (10 / 14), E8 m768 N3072 K4096 0.941 (7 / 10), E4 m2048 N4096 K7168
+# 0.964 (11 / 16), dense-like 1.043-1.057 (6 / 8). A 192-wide unit does 1.5
+# narrow ones' work, so the wide tile is taken where its rounds cost at most
+# FP8_WIDE_ROUND_SLACK times the narrow tile's (dense-like: 9 / 8 = 1.125).
+FP8_WIDE_ROUND_SLACK = 1.1
 # Calls with signals: the expert-major order, found by the n-major walker
 # (n_major_window=1). Paired A/B on H100, 2026-11-24 (`ab_revision.py --set
 # n_major_window=1` against the expert-major walker, bit-identical outputs),
@@ -561,12 +576,19 @@ def mid_192_wide_wins(num_experts: int, expected_m: int, n: int, num_sms: int) -
 
 
 def fp8_prefill_wide(num_experts: Optional[int], expected_m: int, n: int, k: int, num_sms: int) -> bool:
-    """fp8, expected_m over 256: 128x192 tiles when K is at most
-    FP8_WIDE_MAX_K and the host expects at least FP8_WIDE_MIN_ROUNDS rounds
-    of them (which needs ``num_experts``)."""
-    if not num_experts or k > FP8_WIDE_MAX_K:
+    """fp8, expected_m over 256: 128x192 tiles where the host expects at
+    least FP8_WIDE_MIN_ROUNDS rounds of them (which needs ``num_experts``),
+    and, when K is over FP8_WIDE_MAX_K, their rounds (each 1.5 narrow ones)
+    cost at most FP8_WIDE_ROUND_SLACK times those of 128x128 tiles."""
+    if not num_experts:
         return False
-    return expected_rounds(FP8_PREFILL_CONFIG, num_experts, expected_m, n, num_sms) >= FP8_WIDE_MIN_ROUNDS
+    wide = expected_rounds(FP8_PREFILL_CONFIG, num_experts, expected_m, n, num_sms)
+    if wide < FP8_WIDE_MIN_ROUNDS:
+        return False
+    if k <= FP8_WIDE_MAX_K:
+        return True
+    narrow = expected_rounds(FP8_PREFILL_N128_CONFIG, num_experts, expected_m, n, num_sms)
+    return 1.5 * wide <= FP8_WIDE_ROUND_SLACK * narrow
 
 
 def choose_config(
@@ -635,10 +657,12 @@ def choose_config(
     dsv3-ep32-down 59.8 -> 56.4 us, gate_up 100.1 -> 97.9; 56 and 32 units per
     expert on 66 clusters). An earlier in-process sweep had seen bf16 64x128
     tiles lose with hints on dsv3-ep32 (three m-blocks per expert), so the
-    rule stops at two. Prefill with K up to 2048 takes 128x192 tiles with one
-    product set where at least 4 rounds of them are expected
-    (``fp8_prefill_wide``; dsv3-prefill-down 0.949-0.960 of 128x128, H100,
-    2026-11-24, measurements above FP8_PREFILL_CONFIG).
+    rule stops at two. Prefill takes 128x192 tiles with one product set where
+    at least 4 rounds of them are expected and, on K over 2048, their rounds
+    are not much coarser than 128x128 ones (``fp8_prefill_wide``;
+    dsv3-prefill-down 0.949-0.960 of 128x128, dsv3-prefill-gate_up
+    0.960-0.976, H100, 2026-11-24, measurements above FP8_PREFILL_CONFIG and
+    FP8_WIDE_ROUND_SLACK).
     """
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     if fp8:

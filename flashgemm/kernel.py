@@ -651,8 +651,19 @@ class MaskedGroupedGemmSm90:
             cute.arch.setmaxregister_increase(consumer_regs(self.num_consumer_wg))
             consumer_tidx = tidx - 128
             thr_mma = tiled_mma.get_slice(consumer_tidx)
-            tCsA = thr_mma.partition_A(sA)
-            tCsB = thr_mma.partition_B(sB)
+            # The A and B fragments are shared-memory descriptors, the same for
+            # every thread of a warpgroup. Sliced by the thread index, A's were
+            # built in ordinary registers and moved to uniform ones (8 R2UR and
+            # their moves per k-tile of the fp8 128x192 loop, 189 -> 176
+            # instructions); sliced by the warp-uniform warpgroup index they
+            # stay uniform. With the 32-bit scale offsets (mainloop): fp8
+            # dsv3-prefill-down 0.955-0.958 (uniform routing) and 0.957
+            # (skewed), the other fp8 cases 0.983-1.010, bf16 dsv3-prefill-down
+            # 0.940 / 0.999 in two runs, the other bf16 cases 0.983-1.034
+            # (paired A/B, H100, 2026-11-24).
+            wg_mma = tiled_mma.get_slice((warp_group_idx - 1) * 128)
+            tCsA = wg_mma.partition_A(sA)
+            tCsB = wg_mma.partition_B(sB)
             tCrA = tiled_mma.make_fragment_A(tCsA)
             tCrB = tiled_mma.make_fragment_B(tCsB)
             acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_mnk, (None, None, 0)))

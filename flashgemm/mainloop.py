@@ -210,10 +210,13 @@ def consume_tile_blockscaled(
         straddle_col = (n0 // 128 + 1) * 128 - n0
     accumulators.fill(0.0)
     last_k = k_tile_cnt - 1
-    # each block's scales over K, at element offset k_off = k-tile * k_step
+    # each block's scales over K, at element offset k_off = k-tile * k_step.
+    # 32-bit: a 64-bit offset took a multiply-add chain of about 12
+    # instructions per k-tile, a 32-bit one a uniform multiply and a wide
+    # add per block (k_off is under ceil(K / 128) times the scales' K stride)
     sfb_k = tuple(mSFB_nkl[(block, None, expert)] for block in sfb_blocks)
-    k_step = cutlass.Int64(sfb_k[0].layout.stride[0])
-    k_off = cutlass.Int64(0)
+    k_step = Int32(sfb_k[0].layout.stride[0])
+    k_off = Int32(0)
     sfb = _weight_scales(sfb_k, k_off)
     mma = (ab_pipeline, tiled_mma, tCrA, tCrB, sSFA, rows)
     promotion = (ab_pipeline, accumulators, straddle_col)
@@ -241,7 +244,7 @@ def consume_tile_blockscaled(
         # 0.984/0.976, the mid decode tiles 0.982-0.997 (paired A/B, uniform/
         # skewed, H100, 2026-11-24).
         scale_a = _issue_k_tile(mma, read_state, acc_a, sfb)
-        k_off += cutlass.select_(Int32(0) < last_k, k_step, cutlass.Int64(0))
+        k_off += cutlass.select_(Int32(0) < last_k, k_step, Int32(0))
         sfb = _weight_scales(sfb_k, k_off)
         read_state.advance()
         scale_b = scale_a
@@ -254,7 +257,7 @@ def consume_tile_blockscaled(
             _retire_k_tile(promotion, release_state, acc_a, scale_a, 1)
             release_state.advance()
             scale_a = _issue_k_tile(mma, read_state, acc_a, sfb)
-            k_off += cutlass.select_(k_tile + 1 < last_k, k_step, cutlass.Int64(0))
+            k_off += cutlass.select_(k_tile + 1 < last_k, k_step, Int32(0))
             sfb = _weight_scales(sfb_k, k_off)
             read_state.advance()
             _retire_k_tile(promotion, release_state, acc_b, scale_b, 1)

@@ -126,6 +126,12 @@ def _check_scales(a, b, a_scale, b_scale, e_count, max_m, n, k) -> None:
         raise ValueError(
             f"b_scale must have shape (E, ceil(N/128), ceil(K/128)) = {want_b}, got {tuple(b_scale.shape)}"
         )
+    if (k_blocks - 1) * b_scale.stride(2) >= 2**31:
+        # the kernel steps through one block's scales over K with 32-bit offsets
+        raise ValueError(
+            "b_scale's stride along the K blocks is too large: (ceil(K/128) - 1) * stride(2) "
+            f"must be below 2**31, got ({k_blocks} - 1) * {b_scale.stride(2)}"
+        )
     st = a_scale.stride()
     if st[1] != 1 and st[2] != 1:
         raise ValueError(

@@ -160,10 +160,14 @@ def main():
     args = p.parse_args()
     if args.set:
         change_signalled_configs(parse_config_changes(args.set, p.error))
+    spec = json.load(open(CASES_FILE))
+    decode = {c["name"] for c in spec["cases"] if c["regime"] == "decode"}
+    if args.cases and not set(args.cases) <= decode:
+        p.error(f"--cases: the overlap runs decode cases only ({', '.join(sorted(decode))}); "
+                f"got {', '.join(sorted(set(args.cases) - decode))}")
     if not torch.cuda.is_available():
         sys.exit("bench_overlap.py needs a CUDA GPU")
-    spec = json.load(open(CASES_FILE))
-    cases = [c for c in spec["cases"] if c["regime"] == "decode" and (not args.cases or c["name"] in args.cases)]
+    cases = [c for c in spec["cases"] if c["name"] in decode and (not args.cases or c["name"] in args.cases)]
     rows = []
     for dtype, combine_sms in [(d, s) for d in args.dtype for s in args.combine_sms]:
         # seed = the case's place in the file, as in bench.py (same masked_m draws)

@@ -155,13 +155,16 @@ def test_fp8_heuristic_regimes():
     assert choose_config(128, 4096, 4096, 7168, 132, fp8=True) == replace(FP8_MID_CONFIG, l2_hints=True)
     # prefill: in the expert-major order, a last round at most half full
     # split instead of balanced; up to 256 rows n-major. 192-wide tiles with
-    # one product set for K up to 2048 where at least 4 rounds of them are
-    # expected (dsv3-prefill-down: 4 experts x 8.5 m-blocks x 19 n-groups on
-    # 66 clusters, 10 rounds), else 128-wide ones with two product sets: K
-    # 7168 (dsv3-prefill-gate_up), one round (E2 m600 N2048: 2 x 5.2 x 6
-    # units), or no num_experts to count them.
+    # one product set where at least 4 rounds of them are expected
+    # (dsv3-prefill-down: 4 experts x 8.5 m-blocks x 19 n-groups on 66
+    # clusters, 10 rounds) and, on K over 2048, 1.5 times their rounds are at
+    # most 1.1 times the 128x128 tile's (dsv3-prefill-gate_up: 6 against 9);
+    # else 128-wide ones with two product sets: dense-like (6 rounds against
+    # 8), one round (E2 m600 N2048: 2 x 5.2 x 6 units), or no num_experts to
+    # count them.
     assert choose_config(1024, 4096, 7168, 2048, 132, fp8=True, num_experts=4) == FP8_PREFILL_CONFIG
-    assert choose_config(1024, 4096, 4096, 7168, 132, fp8=True, num_experts=4) == FP8_PREFILL_N128_CONFIG
+    assert choose_config(1024, 4096, 4096, 7168, 132, fp8=True, num_experts=4) == FP8_PREFILL_CONFIG
+    assert choose_config(4096, 4096, 4096, 7168, 132, fp8=True, num_experts=1) == FP8_PREFILL_N128_CONFIG
     assert choose_config(600, 2048, 2048, 2048, 132, fp8=True, num_experts=2) == FP8_PREFILL_N128_CONFIG
     assert choose_config(1024, 4096, 7168, 2048, 132, fp8=True) == FP8_PREFILL_N128_CONFIG
     assert FP8_PREFILL_CONFIG == replace(
@@ -236,9 +239,10 @@ def test_fp8_wave_rule_picks_narrow_tiles_only_for_a_nearly_empty_last_round():
     # rounds already full with 128x128: keep it (64-wide tiles re-read A twice as often)
     for name in ("dsv3-ep32-gate_up", "dsv3-ep32-down", "qwen3-235b-ep8-gate_up", "qwen3-235b-ep8-down"):
         assert replace(pick(name), l2_hints=False, n_major=True) == FP8_MID_CONFIG, name
-    # prefill has its own rule: 192 wide on short K only
+    # prefill has its own rule: 192 wide unless its coarser rounds cost more
     assert pick("dsv3-prefill-down") == FP8_PREFILL_CONFIG
-    assert pick("dsv3-prefill-gate_up") == FP8_PREFILL_N128_CONFIG
+    assert pick("dsv3-prefill-gate_up") == FP8_PREFILL_CONFIG
+    assert pick("dense-like") == FP8_PREFILL_N128_CONFIG
     # experts of up to 166 rows span two m-blocks there, whose 2 x 28 (down) and
     # 2 x 16 (gate_up) units fit one round of 66 clusters: hinted
     assert pick("dsv3-ep32-down").l2_hints and pick("dsv3-ep32-gate_up").l2_hints

@@ -152,3 +152,14 @@ def test_tma_ready_a_scale_zero_copy_and_copy_paths():
         assert got is not slow and torch.equal(got, slow)
         st = got.stride()
         assert st[1] == 1 and st[0] % 4 == 0 and st[2] % 4 == 0 and got.data_ptr() % 16 == 0
+
+
+def test_b_scale_k_stride_fits_32_bit_offsets():
+    # the kernel steps through a block's weight scales over K with 32-bit
+    # offsets; a view that strides 2**28 floats between K blocks (a meta
+    # tensor: nothing is allocated) would overflow them
+    far = torch.empty_strided((E, NB, KB), (NB, 1, 2**28), device="meta")
+    with pytest.raises(ValueError, match=r"b_scale's stride along the K blocks is too large"):
+        check(b_scale=far)
+    near = torch.empty_strided((E, NB, KB), (NB, 1, 2**31 // KB), device="meta")
+    assert check(b_scale=near) == (E, M, N, K)
