@@ -15,6 +15,10 @@ from typing import Optional
 SM90_SMEM_BYTES = 232448
 # mbarriers and alignment slack kept out of the operand ring.
 _SMEM_RESERVED_BYTES = 1024
+# Block-scaled fp8: the fp32 weight scales each slot carries, one per
+# 128-row block of N the tile covers (two for a 192-wide tile that straddles
+# a block boundary; mainloop.produce_tile stores them)
+FP8_SLOT_WEIGHT_SCALES = 2
 EPI_STAGES = 2
 # The dynamic order's claim counter: int32 (next unit, finished clusters).
 # Here, not in dynamic_scheduler, so the launcher allocates it without cutlass.
@@ -177,8 +181,8 @@ class GemmConfig:
 
     def stage_bytes(self, elem_bytes: int = 2) -> int:
         operands = (self.tile_m + self.tile_n) * self.tile_k * elem_bytes
-        if elem_bytes == 1:  # block-scaled fp8: the tile's fp32 row scales ride along
-            operands += self.tile_m * 4
+        if elem_bytes == 1:  # block-scaled fp8: the tile's fp32 row and weight scales ride along
+            operands += (self.tile_m + FP8_SLOT_WEIGHT_SCALES) * 4
         return operands
 
     def epi_bytes(self, out_elem_bytes: int = 2) -> int:

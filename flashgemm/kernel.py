@@ -12,7 +12,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
 from cutlass.tensor_utils.layout import LayoutEnum
 
-from .config import GemmConfig
+from .config import FP8_SLOT_WEIGHT_SCALES, GemmConfig
 from .dynamic_scheduler import FEED_STAGES, TileFeed, producer_next_unit, reader_warps
 from .epilogue import SIGNAL_STAGES, TileEpilogue, TileStorer
 from .mainloop import consume_tile, consume_tile_blockscaled, produce_tile, skip_tile
@@ -68,7 +68,8 @@ class MaskedGroupedGemmSm90:
       warp, or storing only the valid rows of partial ones. For block-scaled fp8 each
       k-tile is one 128-wide scale block: its products are promoted into the
       accumulators with the row's activation scale (which the producer loads
-      by TMA into the same ring slot as the operands) times the weight scale;
+      by TMA into the same ring slot as the operands) times the weight scale
+      (which it copies into the slot with a 4-byte cp.async);
       with ``config.promote_overlap`` the next k-tile's wgmma is already in
       flight (a second product accumulator) while one k-tile is promoted.
 
@@ -162,6 +163,10 @@ class MaskedGroupedGemmSm90:
             self.out_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages
         )
 
+    def _sfb_smem_layout(self):
+        # (scale block, stage): the one or two weight scales of each slot
+        return cute.make_layout((FP8_SLOT_WEIGHT_SCALES, self.stages))
+
     def _sfa_smem_layout(self):
         # one fp32 activation scale per tile row and stage (M contiguous); built
         # where it is used (a layout made on the host side cannot enter the kernel)
@@ -173,6 +178,7 @@ class MaskedGroupedGemmSm90:
         a_size, b_size = cute.cosize(self.a_smem_layout), cute.cosize(self.b_smem_layout)
         d_size = cute.cosize(self.d_smem_layout)
         sfa_size = cute.cosize(self._sfa_smem_layout()) if self.block_scaled else 4
+        sfb_size = cute.cosize(self._sfb_smem_layout()) if self.block_scaled else 4
 
         fields = {  # (annotations are strings in this module: build them explicitly)
             "ab_mbar": cute.struct.MemRange[cutlass.Int64, stages * 2],
@@ -181,6 +187,8 @@ class MaskedGroupedGemmSm90:
             "sB": cute.struct.Align[cute.struct.MemRange[ab, b_size], 1024],
             "sD": cute.struct.Align[cute.struct.MemRange[out, d_size], 1024],
             "sSFA": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, sfa_size], 128],
+            # block-scaled fp8: each slot's weight scales, copied in by the producer
+            "sSFB": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, sfb_size], 16],
         }
         if self.config.balance_rounds and not self.config.n_major:
             fields["active"] = cute.struct.MemRange[Int32, 1]  # the producer's count
@@ -343,15 +351,27 @@ class MaskedGroupedGemmSm90:
         loaded = cutlass.min((work.valid_rows + self.a_chunk - 1) // self.a_chunk, chunks)
         return tuple(loads), loaded * (self.a_chunk * self.tile_mnk[2] * self.ab_dtype.width // 8)
 
+    def _weight_scales_over_k(self, mSFB_nkl, work):
+        """The weight scales over K of each 128-row block of N that ``work``'s
+        tile covers: one block, or two for a tile_n of 192 that straddles a
+        block boundary (the second clamped at the last block). The first is
+        clamped too: a cluster's tile past N reads the last block's scales
+        and stores nothing."""
+        n0 = work.n_block * self.tile_mnk[1]
+        last = cute.size(mSFB_nkl, mode=[0]) - 1
+        blocks = (cutlass.min(n0 // 128, last),)
+        if cutlass.const_expr(128 % self.tile_mnk[1] != 0):
+            blocks = blocks + (cutlass.min(n0 // 128 + 1, last),)
+        return tuple(mSFB_nkl[(b, None, work.expert)] for b in blocks)
+
     def _consume(self, mma, read_state, release_state, work):
         """One tile's mainloop on this consumer warpgroup; returns (read_state,
         release_state) (the block-scaled loop keeps no separate release state)."""
-        ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, mSFB_nkl = mma
+        ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, sSFB = mma
         if cutlass.const_expr(self.block_scaled):
             read_state = consume_tile_blockscaled(
                 ab_pipeline, read_state, tiled_mma, accumulators, acc_blocks,
-                tCrA, tCrB, k_tile_cnt, sSFA, rows, mSFB_nkl,
-                work.expert, work.n_block, self.tile_mnk[1],
+                tCrA, tCrB, k_tile_cnt, sSFA, rows, sSFB, work.n_block, self.tile_mnk[1],
             )
         else:
             read_state, release_state = consume_tile(
@@ -438,11 +458,12 @@ class MaskedGroupedGemmSm90:
             tma_bytes += self.tile_mnk[0] * 4  # the tile's activation scales
         # Every consumer warp arrives on the empty barrier of each CTA whose
         # producer wrote into the slot: itself, plus the peer that multicast
-        # half of A into it.
+        # half of A into it. Block-scaled fp8: the full barrier also takes the
+        # arrival of the slot's weight-scale cp.async (produce_tile).
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_mbar.data_ptr(),
             num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 if self.block_scaled else 1),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, self.cluster_n * self.num_consumer_wg * 4
             ),
@@ -508,10 +529,11 @@ class MaskedGroupedGemmSm90:
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
-        sSFA, tSFAsSFA, tSFAgSFA, mSFB_nkl = None, None, None, None
+        sSFA, tSFAsSFA, tSFAgSFA, mSFB_nkl, sSFB = None, None, None, None, None
         if cutlass.const_expr(self.block_scaled):
             mSFB_nkl = _batch_last(mSFB)
             sSFA = storage.sSFA.get_tensor(self._sfa_smem_layout())
+            sSFB = storage.sSFB.get_tensor(self._sfb_smem_layout())
             # (BM, 1, RestM, K/128, E): every CTA loads its own tile's scales
             gSFA = cute.local_tile(mSFA_tma, (self.tile_mnk[0], 1), (None, None, None))
             tSFAsSFA, tSFAgSFA = cute.nvgpu.cpasync.tma_partition(
@@ -592,14 +614,17 @@ class MaskedGroupedGemmSm90:
                 while work.is_valid:
                     a_loads, a_tx = self._a_loads(tAgA, tAsA, work, cta_rank)
                     tBgB_k = tBgB[(None, work.n_block, None, work.expert)]
-                    tSFAgSFA_k = None
+                    tSFAgSFA_k, sfb_k = None, None
+                    slot_tx = None if cutlass.const_expr(a_tx is None) else tma_bytes + a_tx
                     if cutlass.const_expr(self.block_scaled):
                         tSFAgSFA_k = tSFAgSFA[(None, work.m_block, None, work.expert)]
+                        sfb_k = self._weight_scales_over_k(mSFB_nkl, work)
+                        if cutlass.const_expr(a_tx is None):
+                            slot_tx = tma_bytes
                     producer_state = produce_tile(
                         ab_pipeline, producer_state, tma_atom_a, a_loads,
                         tma_atom_b, tBgB_k, tBsB, k_tile_cnt, policy_a, policy_b, a_mcast_mask,
-                        tma_atom_sfa, tSFAgSFA_k, tSFAsSFA,
-                        None if cutlass.const_expr(a_tx is None) else tma_bytes + a_tx,
+                        tma_atom_sfa, tSFAgSFA_k, tSFAsSFA, slot_tx, sfb_k, sSFB,
                     )
                     claims = self._to_next_unit(sched, feed, claims, producer_claims)
                     work = sched.work()
@@ -693,7 +718,7 @@ class MaskedGroupedGemmSm90:
                     pipeline.PipelineUserType.Producer, SIGNAL_STAGES
                 )
             mma = (
-                ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, mSFB_nkl,
+                ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, sSFB,
             )
             while work.is_valid:
                 if cutlass.const_expr(self.config.split_last_round):

@@ -14,7 +14,9 @@ by a full/empty mbarrier pair (``cutlass.pipeline.PipelineTmaAsync``):
 
 Block-scaled fp8 (``consume_tile_blockscaled``): a stage is one 128-wide scale
 block and also carries the tile's activation scales (one more TMA load into
-the same slot, counted in the same transaction bytes). Each k-tile's products
+the same slot, counted in the same transaction bytes) and its one or two
+weight scales (4-byte ``cp.async`` copies, whose completion is the full
+barrier's second arrival). Each k-tile's products
 are accumulated from zero, waited for, and promoted on the CUDA cores with the
 row's activation scale times the block's weight scale. ``promote_overlap``
 keeps a second k-tile's chain in flight during each promotion (two product
@@ -49,6 +51,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32
 
+from .config import FP8_SLOT_WEIGHT_SCALES
+
 
 @cute.jit
 def produce_tile(
@@ -66,7 +70,9 @@ def produce_tile(
     tma_atom_sfa=None,  # block-scaled fp8: the A scales of each k-tile ride in the same slot
     tSFAgSFA_k=None,  # (TMA, k_tiles)
     tSFAsSFA=None,  # (TMA, stages)
-    slot_tx=None,  # GemmConfig.a_chunk_rows: the bytes each CTA's slot receives for this tile
+    slot_tx=None,  # the bytes each CTA's slot receives for this tile, or None: the pipeline's count
+    sfb_k=None,  # block-scaled fp8: the tile's weight scales over K, per scale block
+    sSFB=None,  # (FP8_SLOT_WEIGHT_SCALES, stages) fp32
 ) -> pipeline.PipelineState:
     """Load every k-tile of one output tile into the ring; returns the advanced state.
 
@@ -75,7 +81,30 @@ def produce_tile(
     ``GemmConfig.a_chunk_rows`` each of its chunks of rows, loaded only if it
     holds a valid row. The slot's byte count then changes from tile to
     tile: ``slot_tx``, the chunks both CTAs of the cluster load into it plus
-    B (and the scales), replaces the pipeline's fixed count."""
+    B (and the scales), replaces the pipeline's fixed count.
+
+    With ``sfb_k`` the k-tile's weight scales are copied into the slot's
+    ``sSFB`` column as well: after its TMA loads are issued, by ``cp.async``
+    (4 bytes each) whose completion arrives on the slot's full barrier
+    (``cp.async.mbarrier.arrive.noinc``; the barrier counts two arrivals
+    per phase for block-scaled fp8). The consumers read them from shared
+    memory with the activation scales, and the producer never waits for
+    the load. Two ways of doing this were slower on the smallest decode
+    case (fp8 qwen3-30b-ep8, paired A/B against per-thread loads in the
+    consumers, H100, 2026-11-25):
+    - the producer thread loading each scale into a register and storing it
+      before arming the slot: each store waited for its load, so the ring
+      filled one load latency per slot: 1.043x;
+    - the cp.async issued before the slot's TMA loads: 1.018x uniform, 1.078x
+      skewed routing. Issued after them: 0.987x / 1.028x."""
+    sfb_atom, sfb_off, sfb_step = None, None, None
+    if cutlass.const_expr(sfb_k is not None):
+        sfb_atom = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32
+        )
+        # the k-tile's element offset into each block's scales (32-bit:
+        # validation checks that ceil(K/128) - 1 steps of the stride fit)
+        sfb_off, sfb_step = Int32(0), Int32(sfb_k[0].layout.stride[0])
     for k_tile in cutlass.range(k_tile_cnt, unroll=1):
         bar = ab_pipeline.producer_get_barrier(producer_state)
         if cutlass.const_expr(slot_tx is None):
@@ -100,6 +129,18 @@ def produce_tile(
                 tma_atom_sfa, tSFAgSFA_k[(None, k_tile)], tSFAsSFA[(None, producer_state.index)],
                 tma_bar_ptr=bar,
             )
+        if cutlass.const_expr(sfb_k is not None):
+            # after the slot's TMA loads, so they leave first
+            with cute.arch.elect_one():
+                # one value per block the tile covers (a tile within one
+                # block leaves the slot's second value unread)
+                for i, t in enumerate(sfb_k):
+                    src = cute.make_tensor(t.iterator + sfb_off, cute.make_layout(1))
+                    dst_off = cute.crd2idx((i, producer_state.index), sSFB.layout)
+                    dst = cute.make_tensor(sSFB.iterator + dst_off, cute.make_layout(1))
+                    cute.copy(sfb_atom, src, dst)
+                cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+            sfb_off += sfb_step
         ab_pipeline.producer_commit(producer_state)
         producer_state.advance()
     return producer_state
@@ -173,8 +214,7 @@ def consume_tile_blockscaled(
     k_tile_cnt: Int32,
     sSFA: cute.Tensor,  # (BM, 1, stages) fp32 A scales, one per row per k-tile
     rows: tuple,  # this thread's two tile rows (accumulator value mode 1)
-    mSFB_nkl: cute.Tensor,  # (ceil(N/128), ceil(K/128), E) fp32 weight scales
-    expert: Int32,
+    sSFB: cute.Tensor,  # (FP8_SLOT_WEIGHT_SCALES, stages) fp32 weight scales, copied in by the producer
     n_block: Int32,
     tile_n: cutlass.Constexpr,
 ):
@@ -183,53 +223,44 @@ def consume_tile_blockscaled(
     One k-tile is one 128-wide scale block. Its wgmma chain accumulates into
     a product accumulator from zero; once it retires (the slot is released
     right away) the products are promoted into ``accumulators`` on the CUDA
-    cores as ``acc += products * a_scale[row] * b_scale[n-block]``. The weight
-    scale is one value per (128-row block of N, k-block), the same for every
-    thread: it is loaded from global memory one k-tile ahead, right after the
-    current k-tile's chain is issued, so its address arithmetic and load run
-    while the tensor cores do. Issued before the chain, they sat on the path
-    from one k-tile's promotion to the next chain: Nsight Compute put the
-    consumer warps' stalls on that integer chain and load at about 13% of
-    their samples on fp8 dsv3-prefill-down, and moving them after the issue
-    made the fp8 prefill cases 2.4-3.7% faster (paired A/B on H100,
-    2026-11-24; the decode cases moved by -1.0% to 0.0%).
+    cores as ``acc += products * a_scale[row] * b_scale[n-block]``. Both
+    scales of a k-tile ride in its slot: the activation scales by TMA, the
+    weight scales (one per 128-row block of N, the same for every thread)
+    copied in by the producer (``produce_tile``). Read before the chain is
+    issued, their shared-memory latency hides behind it.
+
+    Until the twenty-third session each consumer thread loaded the next
+    k-tile's weight scales from global memory while the current chain ran
+    (before the chain, their address arithmetic and load had taken about 13%
+    of the k-loop's stall samples on fp8 dsv3-prefill-down; after it, the
+    prefill cases ran 2.4-3.7% faster; H100, 2026-11-24). Moving them to the
+    producer took that address arithmetic and the load out of every
+    consumer warp's k-loop: 173 -> 159 instructions per k-tile of the
+    128x192 loop, 265 -> 241 per pair of the 128x128 two-set loop. Paired
+    A/B against the loads in the consumers (H100, 2026-11-25, 8 rounds,
+    uniform / skewed routing): dsv3-prefill-down 0.952 / 0.967, dense-like
+    0.926 / 0.930, dsv3-prefill-gate_up 0.988 / 0.979, dsv3-ep32-down
+    0.980 / 0.959, the other decode cases 0.980-1.007, except qwen3-30b-ep8
+    0.987 / 1.028.
 
     With one product accumulator each k-tile's wgmma is waited for before its
     promotion. With two (``GemmConfig.promote_overlap``) the chain of k-tile
     t + 1 is issued before k-tile t is waited for and promoted, so this
     warpgroup's tensor work and its promotion overlap.
     """
-    n0 = n_block * tile_n
-    # A tile that spans a 128-column boundary (tile_n = 192) needs the next
-    # block's scale for its upper columns (clamped at the last block), from
-    # tile column straddle_col on.
-    sfb_blocks = (n0 // 128,)
+    # A tile that spans a 128-column boundary (tile_n = 192) takes the second
+    # block's scale for its upper columns, from tile column straddle_col on.
     straddle_col = None
     if cutlass.const_expr(128 % tile_n != 0):
-        sfb_blocks = (n0 // 128, cutlass.min(n0 // 128 + 1, cute.size(mSFB_nkl, mode=[0]) - 1))
+        n0 = n_block * tile_n
         straddle_col = (n0 // 128 + 1) * 128 - n0
     accumulators.fill(0.0)
-    last_k = k_tile_cnt - 1
-    # each block's scales over K, at element offset k_off = k-tile * k_step.
-    # 32-bit: a 64-bit offset took a multiply-add chain of about 12
-    # instructions per k-tile, a 32-bit one a uniform multiply and a wide
-    # add per block (k_off is under ceil(K / 128) times the scales' K stride)
-    sfb_k = tuple(mSFB_nkl[(block, None, expert)] for block in sfb_blocks)
-    k_step = Int32(sfb_k[0].layout.stride[0])
-    k_off = Int32(0)
-    sfb = _weight_scales(sfb_k, k_off)
-    mma = (ab_pipeline, tiled_mma, tCrA, tCrB, sSFA, rows)
+    mma = (ab_pipeline, tiled_mma, tCrA, tCrB, sSFA, rows, sSFB)
     promotion = (ab_pipeline, accumulators, straddle_col)
 
     if cutlass.const_expr(len(acc_blocks) == 1):
         for k_tile in cutlass.range(k_tile_cnt, unroll=1):
-            scale = _issue_k_tile(mma, read_state, acc_blocks[0], sfb)
-            # the next k-tile's weight scales load while this one's chain runs
-            # (by index: the running offset of the loop below made ptxas
-            # schedule the scales' multiplies and the release's thread-index
-            # read ahead of this chain's last wgmma, and the 128x192 tile
-            # 10-12% slower; H100, 2026-11-24)
-            sfb = _weight_scales(sfb_k, cutlass.min(k_tile + 1, last_k) * k_step)
+            scale = _issue_k_tile(mma, read_state, acc_blocks[0])
             _retire_k_tile(promotion, read_state, acc_blocks[0], scale, 0)
             read_state.advance()
     else:
@@ -239,32 +270,21 @@ def consume_tile_blockscaled(
         # k-tiles after the one in flight (into acc_b, then acc_a) and
         # retires the one before each, so one chain is in flight while
         # another is promoted.
-        # The scales' offset runs with the k-tiles here: against indexing
-        # each k-tile, fp8 dense-like 0.961/0.963, dsv3-prefill-gate_up
-        # 0.984/0.976, the mid decode tiles 0.982-0.997 (paired A/B, uniform/
-        # skewed, H100, 2026-11-24).
-        scale_a = _issue_k_tile(mma, read_state, acc_a, sfb)
-        k_off += cutlass.select_(Int32(0) < last_k, k_step, Int32(0))
-        sfb = _weight_scales(sfb_k, k_off)
+        scale_a = _issue_k_tile(mma, read_state, acc_a)
         read_state.advance()
         scale_b = scale_a
         for pair in cutlass.range((k_tile_cnt - 1) // 2, unroll=1):
-            k_tile = 2 * pair + 1
-            scale_b = _issue_k_tile(mma, read_state, acc_b, sfb)
-            k_off += k_step  # k_tile + 1 <= last_k here
-            sfb = _weight_scales(sfb_k, k_off)
+            scale_b = _issue_k_tile(mma, read_state, acc_b)
             read_state.advance()
             _retire_k_tile(promotion, release_state, acc_a, scale_a, 1)
             release_state.advance()
-            scale_a = _issue_k_tile(mma, read_state, acc_a, sfb)
-            k_off += cutlass.select_(k_tile + 1 < last_k, k_step, Int32(0))
-            sfb = _weight_scales(sfb_k, k_off)
+            scale_a = _issue_k_tile(mma, read_state, acc_a)
             read_state.advance()
             _retire_k_tile(promotion, release_state, acc_b, scale_b, 1)
             release_state.advance()
         # acc_a holds the last k-tile (odd count) or the one before it (even)
         if k_tile_cnt % 2 == 0:
-            scale_b = _issue_k_tile(mma, read_state, acc_b, sfb)
+            scale_b = _issue_k_tile(mma, read_state, acc_b)
             read_state.advance()
             _retire_k_tile(promotion, release_state, acc_a, scale_a, 1)
             release_state.advance()
@@ -274,28 +294,19 @@ def consume_tile_blockscaled(
     return read_state
 
 
-def _weight_scales(sfb_k, k_off):
-    """The weight scales at element offset ``k_off`` (a k-tile times the K
-    stride) for each 128-row block of N in ``sfb_k`` (one block's scales over
-    K, or two for a tile that straddles a block boundary)."""
-    values = tuple(
-        cute.make_tensor(t.iterator + k_off, cute.make_layout(1))[0] for t in sfb_k
-    )
-    return (values[0], values[-1])
-
-
-def _issue_k_tile(mma, state, acc, sfb):
+def _issue_k_tile(mma, state, acc):
     """Wait for the slot of ``state``, issue its wgmma chain into ``acc`` (from
     zero) and commit it. ``mma``: (pipeline, tiled_mma, tCrA, tCrB, sSFA,
-    this thread's two rows); ``sfb``: the k-tile's weight scales. Returns
-    scale[row half][weight-scale block] for the promotion."""
-    ab_pipeline, tiled_mma, tCrA, tCrB, sSFA, rows = mma
+    this thread's two rows, sSFB). Returns scale[row half][weight-scale
+    block] for the promotion."""
+    ab_pipeline, tiled_mma, tCrA, tCrB, sSFA, rows, sSFB = mma
     acc.fill(0.0)
     ab_pipeline.consumer_wait(state)
-    # The slot's activation scales are read, and multiplied by the weight
-    # scales, before the wgmma is issued: their shared-memory latency then
-    # hides behind the wgmma instead of sitting between its retirement and
-    # the promotion, when this warpgroup issues nothing to the tensor cores.
+    # The slot's scales are read, and multiplied, before the wgmma is issued:
+    # their shared-memory latency then hides behind the wgmma instead of
+    # sitting between its retirement and the promotion, when this warpgroup
+    # issues nothing to the tensor cores.
+    sfb = (sSFB[(0, state.index)], sSFB[(FP8_SLOT_WEIGHT_SCALES - 1, state.index)])
     sfa0 = sSFA[(rows[0], 0, state.index)]
     sfa1 = sSFA[(rows[1], 0, state.index)]
     scale = ((sfa0 * sfb[0], sfa0 * sfb[1]), (sfa1 * sfb[0], sfa1 * sfb[1]))
