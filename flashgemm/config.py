@@ -17,7 +17,7 @@ SM90_SMEM_BYTES = 232448
 _SMEM_RESERVED_BYTES = 1024
 # Block-scaled fp8: the fp32 weight scales each slot carries, one per
 # 128-row block of N the tile covers (two for a 192-wide tile that straddles
-# a block boundary; mainloop.produce_tile stores them)
+# a block boundary; mainloop.produce_tile copies them in)
 FP8_SLOT_WEIGHT_SCALES = 2
 EPI_STAGES = 2
 # The dynamic order's claim counter: int32 (next unit, finished clusters).
