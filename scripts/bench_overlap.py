@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
 from bench import (  # noqa: E402
-    CASES_FILE, case_operands, draw_masked_m, paired_median, parse_config_changes, time_graph_rounds,
+    CASES_FILE, case_operands, cases_by_name, draw_masked_m, paired_median, parse_config_changes,
+    time_graph_rounds,
 )
 from flashgemm.overlap import combine_masked, run_gemm_and_combine  # noqa: E402
 
@@ -160,21 +161,21 @@ def main():
     args = p.parse_args()
     if args.set:
         change_signalled_configs(parse_config_changes(args.set, p.error))
-    spec = json.load(open(CASES_FILE))
-    decode = {c["name"] for c in spec["cases"] if c["regime"] == "decode"}
-    if args.cases and not set(args.cases) <= decode:
-        p.error(f"--cases: the overlap runs decode cases only ({', '.join(sorted(decode))}); "
-                f"got {', '.join(sorted(set(args.cases) - decode))}")
+    decode = [c["name"] for c in json.load(open(CASES_FILE))["cases"] if c["regime"] == "decode"]
+    # (seed, case) in the file's order; seed = the case's place in the file,
+    # as in bench.py (same masked_m draws)
+    cases = sorted(cases_by_name(args.cases or decode, p.error), key=lambda sc: sc[0])
+    not_decode = [c["name"] for _, c in cases if c["name"] not in decode]
+    if not_decode:
+        p.error(f"--cases: the overlap runs decode cases only ({', '.join(decode)}); got {', '.join(not_decode)}")
     if not torch.cuda.is_available():
         sys.exit("bench_overlap.py needs a CUDA GPU")
-    cases = [c for c in spec["cases"] if c["name"] in decode and (not args.cases or c["name"] in args.cases)]
     rows = []
     for dtype, combine_sms in [(d, s) for d in args.dtype for s in args.combine_sms]:
-        # seed = the case's place in the file, as in bench.py (same masked_m draws)
         part = [
-            run_case(c, spec["cases"].index(c), combine_sms, args.reps, args.rounds, args.top_k,
-                     args.rows_per_item, fp8=dtype == "fp8")
-            for c in cases
+            run_case(c, seed, combine_sms, args.reps, args.rounds, args.top_k, args.rows_per_item,
+                     fp8=dtype == "fp8")
+            for seed, c in cases
         ]
         rows += part
         print(f"Device: {torch.cuda.get_device_name()}; {dtype} GEMM; combine on {combine_sms} SMs, GEMM on the rest; "
