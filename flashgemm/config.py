@@ -81,10 +81,10 @@ class GemmConfig:
         the others are not loaded, and each slot's barrier expects only the
         bytes that are.
     epi_whole_tile: the epilogue's staging area holds the whole output tile
-        (tile_n / 32 buffers instead of 2), so the consumers stage every
-        sub-tile and meet the store warp at two named barriers per tile
-        instead of two per sub-tile (``epilogue``); costs shared memory, so
-        fewer stages may fit.
+        (tile_n / 32 buffers instead of 2), so each consumer warpgroup stages
+        its rows of every sub-tile and hands them to the store warp on its own
+        pair of named barriers, once per tile, without waiting for the other
+        warpgroups (``epilogue``); costs shared memory, so fewer stages may fit.
     """
 
     tile_m: int = 128
@@ -494,13 +494,21 @@ FP8_MID_N64_CONFIG = dataclasses.replace(
 # one stage fewer, 5), the fp8 mid tiles, mostly partial tiles, lost
 # (dsv3-ep32 1.018-1.041), and bf16 prefill (128x256, 3 stages instead of 4)
 # moved by 0.978-1.031: those keep two buffers.
+# Since each warpgroup hands its own rows to the store warp (twenty-fourth
+# session, epilogue.WarpgroupHandoff) neither waits for the other at the end
+# of a tile. Paired A/B on H100, 2026-11-25, uniform / skewed routing: tree
+# against the joint handoff (`ab_revision.py --base`, bit-identical outputs),
+# dsv3-prefill-down 0.962 / 0.968, dsv3-prefill-gate_up 0.988 / 0.985; and
+# the 128-wide tile now gains from the whole-tile staging too (`--set
+# epi_whole_tile=1`, 8 rounds): dense-like 0.988 / 0.990, E2 m600 N2048 K7168
+# 0.974 / 0.983, E4 m2048 N2048 K4096 0.969 / 0.995. bf16's 128x256 still
+# loses with it (one stage fewer, 3): 0.962-0.991 uniform but 0.970-1.111
+# skewed (E4 m1024 N2048 K2048 1.111, dsv3-prefill-gate_up 1.034).
 FP8_PREFILL_CONFIG = dataclasses.replace(
     FP8_MID_CONFIG, tile_n=192, promote_overlap=False, n_major=False, balance_rounds=False,
     split_last_round=True, a_chunk_rows=0, epi_whole_tile=True,
 )
-FP8_PREFILL_N128_CONFIG = dataclasses.replace(
-    FP8_PREFILL_CONFIG, tile_n=128, promote_overlap=True, epi_whole_tile=False
-)
+FP8_PREFILL_N128_CONFIG = dataclasses.replace(FP8_PREFILL_CONFIG, tile_n=128, promote_overlap=True)
 FP8_WIDE_MIN_ROUNDS = 4
 FP8_WIDE_MAX_K = 2048
 # Longer K: since the consumer loop runs fewer instructions per k-tile

@@ -14,7 +14,7 @@ from cutlass.tensor_utils.layout import LayoutEnum
 
 from .config import FP8_SLOT_WEIGHT_SCALES, GemmConfig
 from .dynamic_scheduler import FEED_STAGES, TileFeed, producer_next_unit, reader_warps
-from .epilogue import SIGNAL_STAGES, TileEpilogue, TileStorer
+from .epilogue import SIGNAL_STAGES, TileEpilogue, TileStorer, WarpgroupHandoff
 from .mainloop import consume_tile, consume_tile_blockscaled, produce_tile, skip_tile
 from .scheduler import MaskedTileScheduler, NMajorTileScheduler, active_clusters
 from . import trace as tr
@@ -77,7 +77,10 @@ class MaskedGroupedGemmSm90:
     mbarrier pair per stage) for operands; named barrier 1 (consumers + store
     warp, two crossings per staged sub-tile) for the 2-buffer output staging,
     whose reuse the store warp guards with ``cp.async.bulk.wait_group.read``;
-    with signals, ``PipelineAsync`` (consumers -> store warp, ``SIGNAL_STAGES``
+    with ``config.epi_whole_tile`` instead, named barriers 4.. (a free/staged
+    pair per consumer warpgroup with the store warp, ``WarpgroupHandoff``),
+    so a warpgroup that staged its rows goes on without the other; with
+    signals, ``PipelineAsync`` (consumers -> store warp, ``SIGNAL_STAGES``
     mbarrier pairs) hands over each partial tile the consumers stored themselves,
     so the store warp can publish it while they move on. With
     ``config.balance_rounds``, named barrier 3 (producer warp, store warp,
@@ -162,6 +165,16 @@ class MaskedGroupedGemmSm90:
         self.d_smem_layout = sm90_utils.make_smem_layout_epi(
             self.out_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages
         )
+        # the store warp's view of the same bytes: with the whole tile staged,
+        # each warpgroup's 64 rows of a sub-tile leave in a bulk store of
+        # their own (epilogue.WarpgroupHandoff)
+        self.d_store_layout, self.d_store_box = self.d_smem_layout, self.epi_tile
+        if self.config.epi_whole_tile:
+            self.d_store_box = (64, self.epi_tile[1])
+            self.d_store_layout = sm90_utils.make_smem_layout_epi(
+                self.out_dtype, LayoutEnum.ROW_MAJOR, self.d_store_box,
+                self.epi_stages * self.num_consumer_wg,
+            )
 
     def _sfb_smem_layout(self):
         # (scale block, stage): the one or two weight scales of each slot
@@ -226,7 +239,7 @@ class MaskedGroupedGemmSm90:
             mSFB_nkl = mSFB
 
         b_smem_one = cute.slice_(self.b_smem_layout, (None, None, 0))
-        d_smem_one = cute.slice_(self.d_smem_layout, (None, None, 0))
+        d_store_one = cute.slice_(self.d_store_layout, (None, None, 0))
         tma_atom_a, mA_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
             if self.cluster_n > 1
@@ -246,8 +259,8 @@ class MaskedGroupedGemmSm90:
         tma_atom_d, mD_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
             mD_mnl,
-            d_smem_one,
-            self.epi_tile,
+            d_store_one,
+            self.d_store_box,
         )
 
         self.shared_storage = self._shared_storage()
@@ -270,6 +283,7 @@ class MaskedGroupedGemmSm90:
             self.a_smem_layout,
             self.b_smem_layout,
             self.d_smem_layout,
+            self.d_store_layout,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.threads, 1, 1],
@@ -428,6 +442,7 @@ class MaskedGroupedGemmSm90:
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
         d_smem_layout: cute.ComposedLayout,
+        d_store_layout: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -498,6 +513,7 @@ class MaskedGroupedGemmSm90:
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
         sD = storage.sD.get_tensor(d_smem_layout.outer, swizzle=d_smem_layout.inner)
+        sD_store = storage.sD.get_tensor(d_store_layout.outer, swizzle=d_store_layout.inner)
 
         # (BM, BK, RestM, RestK, E) / (BN, BK, RestN, RestK, E) / (BM, BN, RestM, RestN, E)
         gA = cute.local_tile(mA_mkl, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
@@ -572,6 +588,9 @@ class MaskedGroupedGemmSm90:
         epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_consumer_threads + 32)
         # named barrier 2: the consumers alone, around the staging of partial tiles
         consumer_barrier = pipeline.NamedBarrier(barrier_id=2, num_threads=self.num_consumer_threads)
+        # named barriers 4..: each consumer warpgroup and the store warp, with
+        # the whole tile staged
+        handoff = WarpgroupHandoff(self.num_consumer_wg) if self.config.epi_whole_tile else None
         tile_mn = (self.tile_mnk[0], self.tile_mnk[1])
         num_m_slots = (max_m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
         num_clusters = gdim // self.cluster_n
@@ -646,8 +665,8 @@ class MaskedGroupedGemmSm90:
             if warp_idx == 1:
                 # the store warp: bulk stores and signals, off the wgmma warps
                 storer = TileStorer(
-                    sD, tma_atom_d, gD_tma, tile_mn, self.epi_tile,
-                    cute.arch.lane_idx() == 0, epi_barrier, self.config.epi_whole_tile,
+                    sD_store, tma_atom_d, gD_tma, tile_mn, self.epi_tile,
+                    cute.arch.lane_idx() == 0, epi_barrier, handoff,
                 )
                 sched, claims = self._start_walk(walk_args, feed, None, balance)
                 work = sched.work()
@@ -705,7 +724,8 @@ class MaskedGroupedGemmSm90:
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             epi = TileEpilogue(
                 tiled_mma, accumulators, sD, gD_mem, tile_mn, self.out_dtype, consumer_tidx,
-                epi_barrier, consumer_barrier, self.epi_tile, self.config.epi_whole_tile,
+                epi_barrier, consumer_barrier, self.epi_tile,
+                None if handoff is None else (handoff, warp_group_idx - 1),
             )
             sched, claims = self._start_walk(walk_args, feed, None, balance)
             work = sched.work()

@@ -22,10 +22,20 @@ requires_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs an sm_90 GP
 @pytest.fixture(scope="session")
 def bench_script():
     """scripts/bench.py loaded as a module (its parsing and table helpers need no GPU)."""
+    return _load_script("bench")
+
+
+@pytest.fixture
+def sustained_script():
+    """scripts/sustained.py loaded as a module (its summary needs no GPU)."""
+    return _load_script("sustained")
+
+
+def _load_script(name):
     import importlib.util
 
-    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench.py")
-    spec = importlib.util.spec_from_file_location("flashgemm_bench_script", path)
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"flashgemm_{name}_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -56,3 +56,18 @@ def test_bf16_table_has_a_deepgemm_column_or_says_it_did_not_run(bench_script):
     assert "not run (deep_gemm not importable)" in without
     body = _table_lines(without)[1]
     assert dict(zip(_cells(header), _cells(body)))["vs DeepGEMM"] == "n/a"
+
+
+def test_sustained_summary(sustained_script):
+    """The sustained-load summary: median time over the second half of the
+    replays, clock and power medians over the samples after the ramp-up."""
+    import pytest
+
+    call_us = [200.0] * 4 + [230.0, 231.0, 229.0, 240.0]
+    lines = ["1980, 150.0, 40"] * 5 + ["1410, 690.5, 55", "1395, 699.0, 57", "1425, 688.0, 56", ""]
+    us, clock, power, temp = sustained_script.summarize(call_us, lines)
+    assert us == 230.5 and clock == 1410 and power == 690.5 and temp == (55, 57)
+    with pytest.raises(ValueError, match="no nvidia-smi samples"):
+        sustained_script.summarize(call_us, [])
+    with pytest.raises(ValueError, match="no timed replays"):
+        sustained_script.summarize([], lines)

@@ -154,21 +154,41 @@ def test_fp8_ptx(fp8_ptx_by_config, cfg):
     ids=["bf16-n256", "fp8-n192"],
 )
 def test_epi_whole_tile_staging(cfg, dtype):
-    """With epi_whole_tile the store warp waits once per tile for its bulk
-    stores to have read the staging area, instead of once per sub-tile, and
-    the area holds every sub-tile (fewer stages fit)."""
+    """With epi_whole_tile the staging area holds every sub-tile (fewer stages
+    fit) and each consumer warpgroup hands its rows to the store warp on its
+    own pair of named barriers (epilogue.WarpgroupHandoff): the store warp
+    arrives at each *free* barrier (ids 4..) after waiting for that
+    warpgroup's bulk group to have read its rows, and waits at each *staged*
+    one before storing them, one box of 64 rows per warpgroup and sub-tile;
+    the consumers wait at *free* only and arrive at *staged*. The two-buffer
+    staging crosses named barrier 1 twice per sub-tile instead."""
     sub_tiles = cfg.tile_n // 32
+    wgs = cfg.consumer_warpgroups
     cfgs = {whole: dataclasses.replace(cfg, epi_whole_tile=whole) for whole in (False, True)}
-    ptx = {}
-    for whole, c in cfgs.items():
-        ptx[whole] = fg_compile.build(c, dtype, arch="sm_90a", keep_ptx=True).__ptx__
-        stores = re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.tile\.bulk_group", ptx[whole])
-        assert len(stores) == sub_tiles
-        read_waits = re.findall(r"cp\.async\.bulk\.wait_group\.read", ptx[whole])
-        assert len(read_waits) == (1 if whole else sub_tiles)
-        assert c.epi_buffers == (sub_tiles if whole else 2)
-    bars = {w: len(re.findall(r"\bbar(?:rier)?\.sync", p)) for w, p in ptx.items()}
-    assert bars[True] < bars[False]
+    ptx = {whole: fg_compile.build(c, dtype, arch="sm_90a", keep_ptx=True).__ptx__ for whole, c in cfgs.items()}
+
+    def bars(text, op, threads):
+        return re.findall(rf"\bbar\.{op}\s+(\S+), {threads};", text)
+
+    stores = r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.tile\.bulk_group"
+    two, whole = ptx[False], ptx[True]
+    assert len(re.findall(stores, two)) == sub_tiles
+    assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read", two)) == sub_tiles
+    # two crossings per sub-tile, written once on each side
+    assert len(bars(two, "sync", 128 * wgs + 32)) == 4 * sub_tiles and not bars(two, "arrive", 160)
+
+    assert len(re.findall(stores, whole)) == wgs * sub_tiles
+    read_waits = re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", whole)
+    assert sorted(read_waits) == [str(i) for i in range(wgs)]
+    free_ids = [str(4 + w) for w in range(wgs)]
+    staged_ids = [str(4 + wgs + w) for w in range(wgs)]
+    # store warp (constant ids), consumers (their warpgroup's id, in a register)
+    assert sorted(i for i in bars(whole, "arrive", 160) if i[0] != "%") == free_ids
+    assert sorted(i for i in bars(whole, "sync", 160) if i[0] != "%") == staged_ids
+    assert [i for i in bars(whole, "sync", 160) if i[0] == "%"]  # consumers wait at free
+    assert [i for i in bars(whole, "arrive", 160) if i[0] == "%"]  # and arrive at staged
+    assert not bars(whole, "sync", 128 * wgs + 32)  # barrier 1 unused
+
     elem = 1 if dtype == "fp8e4m3" else 2
     assert cfgs[True].epi_bytes() == cfg.tile_m * cfg.tile_n * 2
     assert cfgs[True].smem_bytes(elem) <= SM90_SMEM_BYTES

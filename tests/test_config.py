@@ -171,11 +171,12 @@ def test_fp8_heuristic_regimes():
         FP8_MID_CONFIG, tile_n=192, promote_overlap=False, n_major=False, balance_rounds=False,
         split_last_round=True, a_chunk_rows=0, epi_whole_tile=True,
     ) and FP8_MID_CONFIG.n_major and FP8_MID_CONFIG.promote_overlap
-    # the whole-tile staging only where it was measured to pay: the 192-wide tile
-    assert FP8_PREFILL_N128_CONFIG == replace(
-        FP8_PREFILL_CONFIG, tile_n=128, promote_overlap=True, epi_whole_tile=False
-    )
-    assert {c.tile_n for c in FP8_HEURISTIC_CONFIGS + HEURISTIC_CONFIGS if c.epi_whole_tile} == {192}
+    # the whole-tile staging only where it was measured to pay: the fp8
+    # prefill tiles (not bf16's 128x256, not the mostly partial mid tiles)
+    assert FP8_PREFILL_N128_CONFIG == replace(FP8_PREFILL_CONFIG, tile_n=128, promote_overlap=True)
+    whole = [c for c in FP8_HEURISTIC_CONFIGS + HEURISTIC_CONFIGS if c.epi_whole_tile]
+    assert {(c.tile_n, c.tile_k) for c in whole} == {(192, 128), (128, 128)}
+    assert all(c.split_last_round or c.balance_rounds and not c.n_major for c in whole)
     # with signals the last round stays whole (a signal counts whole tiles)
     # and is balanced, as before the split
     for e, cfg in ((4, FP8_PREFILL_CONFIG), (None, FP8_PREFILL_N128_CONFIG)):
