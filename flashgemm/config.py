@@ -130,6 +130,11 @@ class GemmConfig:
     # and every cluster of n-blocks loads them again from L2.
     a_chunk_rows: int = 0
     epi_whole_tile: bool = False
+    # Block-scaled fp8 with one product set: each k-tile's wgmma chain is
+    # issued as this many chains, each over tile_n / promote_parts columns,
+    # and part p is promoted while the chains after it still run
+    # (mainloop.consume_tile_blockscaled has the measurements). 1: one chain.
+    promote_parts: int = 1
 
     def __post_init__(self):
         # The launcher hashes the config into its plan key on every call; the
@@ -237,6 +242,15 @@ class GemmConfig:
             )
         if self.promote_overlap and elem_bytes != 1:
             raise ValueError("config.promote_overlap applies to block-scaled fp8 operands only")
+        if self.promote_parts != 1 and (
+            elem_bytes != 1 or self.promote_overlap or self.promote_parts not in (2, 3, 4)
+            or self.tile_n % (8 * self.promote_parts)
+        ):
+            raise ValueError(
+                "config.promote_parts (2, 3 or 4) applies to block-scaled fp8 with one product "
+                "set (no promote_overlap), tile_n a multiple of 8 * promote_parts; got "
+                f"promote_parts={self.promote_parts}, tile_n={self.tile_n}"
+            )
         if self.promote_overlap and self.tile_n > 128:
             # three accumulator sets: 3 * tile_n / 2 registers per thread
             raise ValueError(
@@ -305,6 +319,7 @@ class GemmConfig:
             + ("-split" if self.split_last_round else "")
             + (f"-ac{self.a_chunk_rows}" if self.a_chunk_rows else "")
             + ("-ew" if self.epi_whole_tile else "")
+            + (f"-pp{self.promote_parts}" if self.promote_parts != 1 else "")
         )
 
 
@@ -504,11 +519,16 @@ FP8_MID_N64_CONFIG = dataclasses.replace(
 # 0.974 / 0.983, E4 m2048 N2048 K4096 0.969 / 0.995. bf16's 128x256 still
 # loses with it (one stage fewer, 3): 0.962-0.991 uniform but 0.970-1.111
 # skewed (E4 m1024 N2048 K2048 1.111, dsv3-prefill-gate_up 1.034).
+# The 192-wide tile issues each k-tile as two 96-wide chains and promotes
+# the first while the second runs (promote_parts=2; measurements at
+# mainloop.consume_tile_blockscaled).
 FP8_PREFILL_CONFIG = dataclasses.replace(
     FP8_MID_CONFIG, tile_n=192, promote_overlap=False, n_major=False, balance_rounds=False,
-    split_last_round=True, a_chunk_rows=0, epi_whole_tile=True,
+    split_last_round=True, a_chunk_rows=0, epi_whole_tile=True, promote_parts=2,
 )
-FP8_PREFILL_N128_CONFIG = dataclasses.replace(FP8_PREFILL_CONFIG, tile_n=128, promote_overlap=True)
+FP8_PREFILL_N128_CONFIG = dataclasses.replace(
+    FP8_PREFILL_CONFIG, tile_n=128, promote_overlap=True, promote_parts=1
+)
 FP8_WIDE_MIN_ROUNDS = 4
 FP8_WIDE_MAX_K = 2048
 # Longer K: since the consumer loop runs fewer instructions per k-tile

@@ -381,8 +381,10 @@ class MaskedGroupedGemmSm90:
     def _consume(self, mma, read_state, release_state, work):
         """One tile's mainloop on this consumer warpgroup; returns (read_state,
         release_state) (the block-scaled loop keeps no separate release state)."""
-        ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, sSFB = mma
+        ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, sSFB, parts = mma
         if cutlass.const_expr(self.block_scaled):
+            if cutlass.const_expr(parts is not None):
+                tiled_mma, tCrA, tCrB = parts
             read_state = consume_tile_blockscaled(
                 ab_pipeline, read_state, tiled_mma, accumulators, acc_blocks,
                 tCrA, tCrB, k_tile_cnt, sSFA, rows, sSFB, work.n_block, self.tile_mnk[1],
@@ -393,6 +395,30 @@ class MaskedGroupedGemmSm90:
                 tCrA, tCrB, k_tile_cnt,
             )
         return read_state, release_state
+
+    def _part_width_mma(self, sA, sB, warp_group_idx):
+        """config.promote_parts: ((tiled MMA of one part's width, A fragments,
+        B fragments of each part of sB), the parts' product accumulators,
+        which hold the same values, in the same order, as one full-width
+        product accumulator would)."""
+        parts = self.config.promote_parts
+        part_n = self.tile_mnk[1] // parts
+        tiled_mma_p = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype,
+            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(), LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            self.acc_dtype, (self.num_consumer_wg, 1, 1), tiler_mn=(64, part_n),
+        )
+        wg_mma = tiled_mma_p.get_slice((warp_group_idx - 1) * 128)
+        tCrA = tiled_mma_p.make_fragment_A(wg_mma.partition_A(sA))
+        tCrB = tuple(
+            tiled_mma_p.make_fragment_B(wg_mma.partition_B(
+                cute.local_tile(sB, (part_n, self.tile_mnk[2], self.stages), (p, 0, 0))
+            ))
+            for p in range(parts)
+        )
+        shape = tiled_mma_p.get_slice(0).partition_shape_C((self.tile_mnk[0], part_n))
+        products = tuple(cute.make_rmem_tensor(shape, self.acc_dtype) for _ in range(parts))
+        return (tiled_mma_p, tCrA, tCrB), products
 
     @cute.jit
     def _warm_l2_weights(
@@ -712,12 +738,16 @@ class MaskedGroupedGemmSm90:
             tCrB = tiled_mma.make_fragment_B(tCsB)
             acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_mnk, (None, None, 0)))
             accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-            acc_blocks, rows = None, None
+            acc_blocks, rows, mma_parts = None, None, None
             if cutlass.const_expr(self.block_scaled):
                 acc_blocks = tuple(
                     cute.make_rmem_tensor(acc_shape, self.acc_dtype)
                     for _ in range(2 if self.config.promote_overlap else 1)
                 )
+                if cutlass.const_expr(self.config.promote_parts > 1):
+                    # one tuple of part products in place of the product set
+                    mma_parts, products = self._part_width_mma(sA, sB, warp_group_idx)
+                    acc_blocks = (products,)
                 # the two tile rows this thread's accumulators cover (value mode 1)
                 tCcC = thr_mma.partition_C(cute.make_identity_tensor(tile_mn))
                 rows = (tCcC[0][0], tCcC[2][0])
@@ -739,6 +769,7 @@ class MaskedGroupedGemmSm90:
                 )
             mma = (
                 ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, sSFB,
+                mma_parts,
             )
             while work.is_valid:
                 if cutlass.const_expr(self.config.split_last_round):

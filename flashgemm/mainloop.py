@@ -20,7 +20,9 @@ barrier's second arrival). Each k-tile's products
 are accumulated from zero, waited for, and promoted on the CUDA cores with the
 row's activation scale times the block's weight scale. ``promote_overlap``
 keeps a second k-tile's chain in flight during each promotion (two product
-accumulators); see ``GemmConfig`` for where that pays.
+accumulators); ``promote_parts`` cuts one product accumulator into column
+parts, each its own chain, and promotes a part while the later ones still
+run; see ``GemmConfig`` for where each pays.
 
 Rows past ``max_m`` and columns past K are zero-filled by the TMA unit, so a
 partial m/k tile needs no special case here; rows between ``m_e`` and the end
@@ -208,9 +210,10 @@ def consume_tile_blockscaled(
     read_state: pipeline.PipelineState,
     tiled_mma: cute.TiledMma,
     accumulators: cute.Tensor,  # the tile's fp32 result, ((2, 2, BN/8), 1, 1) per thread
-    acc_blocks: tuple,  # one or two tensors of one k-tile's raw fp8 products, same shape
+    acc_blocks: tuple,  # one or two tensors of one k-tile's raw fp8 products, same shape;
+    # with GemmConfig.promote_parts, one tuple of the parts' products
     tCrA: cute.Tensor,
-    tCrB: cute.Tensor,
+    tCrB: cute.Tensor,  # with promote_parts, a tuple: each part's B fragments
     k_tile_cnt: Int32,
     sSFA: cute.Tensor,  # (BM, 1, stages) fp32 A scales, one per row per k-tile
     rows: tuple,  # this thread's two tile rows (accumulator value mode 1)
@@ -247,6 +250,25 @@ def consume_tile_blockscaled(
     promotion. With two (``GemmConfig.promote_overlap``) the chain of k-tile
     t + 1 is issued before k-tile t is waited for and promoted, so this
     warpgroup's tensor work and its promotion overlap.
+
+    With ``GemmConfig.promote_parts`` P the one product accumulator is split
+    by columns: each k-tile is P chains of tile_n / P columns, committed one
+    after the other, and part p is promoted as soon as its chain retires,
+    while the later parts' chains still run. The same registers as one
+    product set, at the cost of re-reading A from shared memory once per
+    part. A bound build had shown the promotion on the critical path:
+    promoting half of the values made the 128x192 tile 7.8-9.0% faster,
+    none 9.2-13.6% (H100, 2026-11-25, `ab_revision.py --no-check`). Paired
+    A/B of the 128x192 tile against one chain (`--set promote_parts=P`,
+    bit-identical outputs), uniform / skewed routing:
+    - P = 2: dsv3-prefill-gate_up 0.946-0.956 / 0.932-0.955,
+      dsv3-prefill-down 0.943-0.965 / 0.957-0.963, E8 m512 N7168 K2048
+      0.965-0.977 / 0.969 (two runs);
+    - P = 3: 1.009-1.054, P = 4: 1.105-1.143 (A read three or four times);
+    - the 128x128 tile with one product set and P = 2 against its two sets:
+      dense-like 1.071, E2 m600 N2048 K7168 1.113.
+    So the 128x192 prefill tile takes P = 2 and the 128-wide tiles keep two
+    product sets.
     """
     # A tile that spans a 128-column boundary (tile_n = 192) takes the second
     # block's scale for its upper columns, from tile column straddle_col on.
@@ -258,7 +280,21 @@ def consume_tile_blockscaled(
     mma = (ab_pipeline, tiled_mma, tCrA, tCrB, sSFA, rows, sSFB)
     promotion = (ab_pipeline, accumulators, straddle_col)
 
-    if cutlass.const_expr(len(acc_blocks) == 1):
+    if cutlass.const_expr(isinstance(acc_blocks[0], tuple)):
+        # GemmConfig.promote_parts: part p is promoted while the chains of
+        # the parts after it still run
+        parts = acc_blocks[0]
+        for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+            scale = _issue_k_tile(mma, read_state, parts)
+            first = 0
+            for p in cutlass.range_constexpr(len(parts)):
+                cute.nvgpu.warpgroup.wait_group(len(parts) - 1 - p)
+                if p == len(parts) - 1:
+                    ab_pipeline.consumer_release(read_state)
+                _promote_at(accumulators, parts[p], scale, straddle_col, first)
+                first += cute.size(parts[p])
+            read_state.advance()
+    elif cutlass.const_expr(len(acc_blocks) == 1):
         for k_tile in cutlass.range(k_tile_cnt, unroll=1):
             scale = _issue_k_tile(mma, read_state, acc_blocks[0])
             _retire_k_tile(promotion, read_state, acc_blocks[0], scale, 0)
@@ -300,7 +336,8 @@ def _issue_k_tile(mma, state, acc):
     this thread's two rows, sSFB). Returns scale[row half][weight-scale
     block] for the promotion."""
     ab_pipeline, tiled_mma, tCrA, tCrB, sSFA, rows, sSFB = mma
-    acc.fill(0.0)
+    if not isinstance(acc, tuple):
+        acc.fill(0.0)
     ab_pipeline.consumer_wait(state)
     # The slot's scales are read, and multiplied, before the wgmma is issued:
     # their shared-memory latency then hides behind the wgmma instead of
@@ -312,6 +349,17 @@ def _issue_k_tile(mma, state, acc):
     scale = ((sfa0 * sfb[0], sfa0 * sfb[1]), (sfa1 * sfb[0], sfa1 * sfb[1]))
     cute.nvgpu.warpgroup.fence()
     # (plain Python loops: these helpers are traced inline, unrolled)
+    if isinstance(acc, tuple):  # GemmConfig.promote_parts: one chain per part
+        # (each chain starts from zero by its first wgmma's scale-d, not by
+        # zeroing registers: zeroed ones made ptxas wait for the first chain
+        # before issuing the second)
+        for acc_h, tCrB_h in zip(acc, tCrB):
+            for k_block in range(cute.size(tCrA, mode=[2])):
+                coord = (None, None, k_block, state.index)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, k_block != 0)
+                cute.gemm(tiled_mma, acc_h, tCrA[coord], tCrB_h[coord], acc_h)
+            cute.nvgpu.warpgroup.commit_group()
+        return scale
     for k_block in range(cute.size(tCrA, mode=[2])):
         coord = (None, None, k_block, state.index)
         cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
@@ -330,24 +378,32 @@ def _retire_k_tile(promotion, state, acc, scale, still_in_flight: cutlass.Conste
     ab_pipeline, accumulators, straddle_col = promotion
     cute.nvgpu.warpgroup.wait_group(still_in_flight)
     ab_pipeline.consumer_release(state)
+    _promote_at(accumulators, acc, scale, straddle_col, 0)
+
+
+@cute.jit
+def _promote_at(accumulators, acc, scale, straddle_col, first: cutlass.Constexpr):
+    """``_promote`` with a run-time straddle_col (None, 64 or 128)."""
     if cutlass.const_expr(straddle_col is None):
-        _promote(accumulators, acc, scale, None)
+        _promote(accumulators, acc, scale, None, first)
     else:
         # one unrolled loop per boundary, so no element selects its scale at
         # run time (a select per value put 48 FSEL and about 46 PLOP3 beside
         # the 96 FFMA of each k-tile)
         if straddle_col == 64:
-            _promote(accumulators, acc, scale, 64)
+            _promote(accumulators, acc, scale, 64, first)
         else:
-            _promote(accumulators, acc, scale, 128)
+            _promote(accumulators, acc, scale, 128, first)
 
 
-def _promote(accumulators, acc, scale, straddle_col):
-    """accumulators += acc * scale, the weight scale switching to the second
-    block's at tile column ``straddle_col`` (a Python int, or None)."""
+def _promote(accumulators, acc, scale, straddle_col, first=0):
+    """accumulators[first:first + size(acc)] += acc * scale, the weight scale
+    switching to the second block's at tile column ``straddle_col`` (a Python
+    int, or None)."""
     # value i of the wgmma accumulator fragment: column pair (i % 2),
     # row half (i // 2 % 2), 8-column group (i // 4)
-    for i in range(cute.size(accumulators)):
+    for v in range(cute.size(acc)):
+        i = first + v
         half = (i // 2) % 2
         block = 1 if straddle_col is not None and (i // 4) * 8 >= straddle_col else 0
-        accumulators[i] = accumulators[i] + acc[i] * scale[half][block]
+        accumulators[i] = accumulators[i] + acc[v] * scale[half][block]

@@ -253,11 +253,11 @@ def parse_config(name: str):
 
     from flashgemm.config import GemmConfig
 
-    m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)wg(\d+)c1x(\d+)(-l2hint)?(-nopdl)?(-dyn)?(-nowarm)?(-po)?(-bal)?(-nmaj)?(?:-w(\d+))?(-split)?(?:-ac(\d+))?(-ew)?", name)
+    m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)wg(\d+)c1x(\d+)(-l2hint)?(-nopdl)?(-dyn)?(-nowarm)?(-po)?(-bal)?(-nmaj)?(?:-w(\d+))?(-split)?(?:-ac(\d+))?(-ew)?(?:-pp(\d))?", name)
     if not m:
         raise SystemExit(
             f"--configs: cannot read {name!r} "
-            "(expected e.g. m64n64k64s0wg1c1x2[-l2hint][-nopdl][-dyn][-nowarm][-po][-bal][-nmaj][-w1][-split][-ac32][-ew])"
+            "(expected e.g. m64n64k64s0wg1c1x2[-l2hint][-nopdl][-dyn][-nowarm][-po][-bal][-nmaj][-w1][-split][-ac32][-ew][-pp2])"
         )
     tm, tn, tk, st, wg, cn = map(int, m.groups()[:6])
     return GemmConfig(tile_m=tm, tile_n=tn, tile_k=tk, stages=st, consumer_warpgroups=wg, cluster_n=cn,
@@ -266,7 +266,7 @@ def parse_config(name: str):
                       promote_overlap=m.group(11) is not None, balance_rounds=m.group(12) is not None,
                       n_major=m.group(13) is not None, n_major_window=int(m.group(14) or 0),
                       split_last_round=m.group(15) is not None, a_chunk_rows=int(m.group(16) or 0),
-                      epi_whole_tile=m.group(17) is not None)
+                      epi_whole_tile=m.group(17) is not None, promote_parts=int(m.group(18) or 1))
 
 
 def parse_config_changes(items, error):

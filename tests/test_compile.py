@@ -105,7 +105,9 @@ def fp8_ptx_by_config():
 def test_fp8_ptx(fp8_ptx_by_config, cfg):
     ptx = fp8_ptx_by_config[cfg]
     # fp8 e4m3 wgmma, k32 per instruction, fp32 accumulate
-    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.tile_n}k32\.f32\.e4m3\.e4m3", ptx)
+    # (promote_parts: one chain per part of the tile's width)
+    part_n = cfg.tile_n // cfg.promote_parts
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{part_n}k32\.f32\.e4m3\.e4m3", ptx)
     assert "bf16" not in re.findall(r"wgmma\.mma_async\S*", ptx)[0]
     # operand and activation-scale TMA loads (A, B, scales) and the TMA store
     # (A may be multicast: shared::cluster)
@@ -121,9 +123,10 @@ def test_fp8_ptx(fp8_ptx_by_config, cfg):
         # the prefill tile 1.3-1.5x slower)
         assert len(re.findall(r"selp\.f32", ptx)) <= 4
     # promote_overlap: the next k-tile's chain is committed before this one's
-    # is waited for (wait_group 1); one product set waits for everything
+    # is waited for (wait_group 1); one product set waits for everything,
+    # in promote_parts steps (the parts after the one promoted still pending)
     waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx))
-    assert waits == ({"0", "1"} if cfg.promote_overlap else {"0"})
+    assert waits == ({"0", "1"} if cfg.promote_overlap else {str(p) for p in range(cfg.promote_parts)})
     # the weight scales ride in the slot: after arming the slot's full barrier
     # and issuing its TMA loads, the producer copies them from global to
     # shared memory with 4-byte cp.async, whose completion is the barrier's
@@ -208,6 +211,15 @@ def test_fp8_config_rules():
         GemmConfig(promote_overlap=True).validate(2)
     with pytest.raises(ValueError, match="tile_n must be <= 128 with promote_overlap"):
         GemmConfig(tile_n=192, tile_k=128, promote_overlap=True).validate(1)
+    for bad in (
+        dict(promote_parts=2, promote_overlap=True),  # two product sets already overlap
+        dict(promote_parts=5),
+        dict(tile_n=64, promote_parts=3),  # parts must be whole 8-column groups
+    ):
+        with pytest.raises(ValueError, match="promote_parts"):
+            GemmConfig(**{"tile_k": 128, **bad}).validate(1)
+    with pytest.raises(ValueError, match="promote_parts"):
+        GemmConfig(promote_parts=2).validate(2)  # bf16
     for cfg in FP8_HEURISTIC_CONFIGS:
         assert cfg.validate(1) is cfg and fg_compile.operand_dtype(cfg) == "fp8e4m3"
 

@@ -169,11 +169,13 @@ def test_fp8_heuristic_regimes():
     assert choose_config(1024, 4096, 7168, 2048, 132, fp8=True) == FP8_PREFILL_N128_CONFIG
     assert FP8_PREFILL_CONFIG == replace(
         FP8_MID_CONFIG, tile_n=192, promote_overlap=False, n_major=False, balance_rounds=False,
-        split_last_round=True, a_chunk_rows=0, epi_whole_tile=True,
+        split_last_round=True, a_chunk_rows=0, epi_whole_tile=True, promote_parts=2,
     ) and FP8_MID_CONFIG.n_major and FP8_MID_CONFIG.promote_overlap
     # the whole-tile staging only where it was measured to pay: the fp8
     # prefill tiles (not bf16's 128x256, not the mostly partial mid tiles)
-    assert FP8_PREFILL_N128_CONFIG == replace(FP8_PREFILL_CONFIG, tile_n=128, promote_overlap=True)
+    assert FP8_PREFILL_N128_CONFIG == replace(
+        FP8_PREFILL_CONFIG, tile_n=128, promote_overlap=True, promote_parts=1
+    )
     whole = [c for c in FP8_HEURISTIC_CONFIGS + HEURISTIC_CONFIGS if c.epi_whole_tile]
     assert {(c.tile_n, c.tile_k) for c in whole} == {(192, 128), (128, 128)}
     assert all(c.split_last_round or c.balance_rounds and not c.n_major for c in whole)

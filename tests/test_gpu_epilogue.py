@@ -40,6 +40,7 @@ BF16_TILES = [
 FP8_TILES = [
     dataclasses.replace(FP8_PREFILL_CONFIG, split_last_round=False),  # 128x192, straddles scale blocks
     dataclasses.replace(FP8_PREFILL_CONFIG, split_last_round=False, tile_n=128, promote_overlap=True,
+                        promote_parts=1,
                         cluster_n=1),
 ]
 

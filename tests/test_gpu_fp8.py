@@ -70,6 +70,8 @@ SHAPES = [
 
 CONFIGS = FP8_HEURISTIC_CONFIGS + (
     GemmConfig(tile_m=128, tile_n=192, tile_k=128, consumer_warpgroups=2),  # spans scale blocks
+    # two part chains per k-tile, on one consumer warpgroup
+    GemmConfig(tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1, promote_parts=2),
     GemmConfig(tile_m=64, tile_n=64, tile_k=128, consumer_warpgroups=1, cluster_n=2),
     GemmConfig(tile_m=192, tile_n=64, tile_k=128, consumer_warpgroups=3),
 )

@@ -76,7 +76,10 @@ def test_bf16_split_last_round_matches_reference(case, seed):
 )  # the heuristic's prefill tile, and the 128-wide one with two product sets
 def test_fp8_split_last_round_matches_reference(cluster_n, tile, seed):
     tile_n, overlap = tile
-    cfg = dataclasses.replace(FP8_PREFILL_CONFIG, cluster_n=cluster_n, tile_n=tile_n, promote_overlap=overlap)
+    cfg = dataclasses.replace(
+        FP8_PREFILL_CONFIG, cluster_n=cluster_n, tile_n=tile_n, promote_overlap=overlap,
+        promote_parts=1 if overlap else FP8_PREFILL_CONFIG.promote_parts,
+    )
     # 8 m-blocks; N 528: 128-wide n-blocks 5 (one partial), 192-wide 3 (the
     # last 144 wide; the tiles straddle scale blocks at columns 128 and 64);
     # K 2880: a partial scale block. The grid is the first, from 18 clusters
