@@ -136,16 +136,20 @@ class MaskedGroupedGemmSm90:
         # 8-bit operands are the block-scaled fp8 recipe (a_scale, b_scale)
         self.block_scaled = ab_dtype.width == 8
 
-    def _make_layouts(self):
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+    def _make_tiled_mma(self, n: int):
+        """The warpgroups' wgmma over ``n`` columns (both operands K-major)."""
+        return sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
             self.ab_dtype,
             LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
             LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
             self.acc_dtype,
             (self.num_consumer_wg, 1, 1),
-            tiler_mn=(64, self.tile_mnk[1]),
+            tiler_mn=(64, n),
         )
+
+    def _make_layouts(self):
+        self.tiled_mma = self._make_tiled_mma(self.tile_mnk[1])
         self.a_smem_layout = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype, self.stages
         )
@@ -381,10 +385,8 @@ class MaskedGroupedGemmSm90:
     def _consume(self, mma, read_state, release_state, work):
         """One tile's mainloop on this consumer warpgroup; returns (read_state,
         release_state) (the block-scaled loop keeps no separate release state)."""
-        ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, sSFB, parts = mma
+        ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, sSFB = mma
         if cutlass.const_expr(self.block_scaled):
-            if cutlass.const_expr(parts is not None):
-                tiled_mma, tCrA, tCrB = parts
             read_state = consume_tile_blockscaled(
                 ab_pipeline, read_state, tiled_mma, accumulators, acc_blocks,
                 tCrA, tCrB, k_tile_cnt, sSFA, rows, sSFB, work.n_block, self.tile_mnk[1],
@@ -403,11 +405,7 @@ class MaskedGroupedGemmSm90:
         product accumulator would)."""
         parts = self.config.promote_parts
         part_n = self.tile_mnk[1] // parts
-        tiled_mma_p = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype,
-            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(), LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-            self.acc_dtype, (self.num_consumer_wg, 1, 1), tiler_mn=(64, part_n),
-        )
+        tiled_mma_p = self._make_tiled_mma(part_n)
         wg_mma = tiled_mma_p.get_slice((warp_group_idx - 1) * 128)
         tCrA = tiled_mma_p.make_fragment_A(wg_mma.partition_A(sA))
         tCrB = tuple(
@@ -738,16 +736,20 @@ class MaskedGroupedGemmSm90:
             tCrB = tiled_mma.make_fragment_B(tCsB)
             acc_shape = thr_mma.partition_shape_C(cute.slice_(self.tile_mnk, (None, None, 0)))
             accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-            acc_blocks, rows, mma_parts = None, None, None
+            acc_blocks, rows = None, None
+            # the k-loop's wgmma and fragments: the tile's, or one part's
+            # width with config.promote_parts
+            mma_k, tCrA_k, tCrB_k = tiled_mma, tCrA, tCrB
             if cutlass.const_expr(self.block_scaled):
-                acc_blocks = tuple(
-                    cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-                    for _ in range(2 if self.config.promote_overlap else 1)
-                )
                 if cutlass.const_expr(self.config.promote_parts > 1):
                     # one tuple of part products in place of the product set
-                    mma_parts, products = self._part_width_mma(sA, sB, warp_group_idx)
+                    (mma_k, tCrA_k, tCrB_k), products = self._part_width_mma(sA, sB, warp_group_idx)
                     acc_blocks = (products,)
+                else:
+                    acc_blocks = tuple(
+                        cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                        for _ in range(2 if self.config.promote_overlap else 1)
+                    )
                 # the two tile rows this thread's accumulators cover (value mode 1)
                 tCcC = thr_mma.partition_C(cute.make_identity_tensor(tile_mn))
                 rows = (tCcC[0][0], tCcC[2][0])
@@ -768,8 +770,7 @@ class MaskedGroupedGemmSm90:
                     pipeline.PipelineUserType.Producer, SIGNAL_STAGES
                 )
             mma = (
-                ab_pipeline, tiled_mma, accumulators, acc_blocks, tCrA, tCrB, k_tile_cnt, sSFA, rows, sSFB,
-                mma_parts,
+                ab_pipeline, mma_k, accumulators, acc_blocks, tCrA_k, tCrB_k, k_tile_cnt, sSFA, rows, sSFB,
             )
             while work.is_valid:
                 if cutlass.const_expr(self.config.split_last_round):

@@ -287,12 +287,12 @@ def consume_tile_blockscaled(
         for k_tile in cutlass.range(k_tile_cnt, unroll=1):
             scale = _issue_k_tile(mma, read_state, parts)
             first = 0
-            for p in cutlass.range_constexpr(len(parts)):
+            for p in cutlass.range_constexpr(len(parts) - 1):
                 cute.nvgpu.warpgroup.wait_group(len(parts) - 1 - p)
-                if p == len(parts) - 1:
-                    ab_pipeline.consumer_release(read_state)
                 _promote_at(accumulators, parts[p], scale, straddle_col, first)
                 first += cute.size(parts[p])
+            # the last part's chain retired: the slot is free
+            _retire_k_tile(promotion, read_state, parts[-1], scale, 0, first)
             read_state.advance()
     elif cutlass.const_expr(len(acc_blocks) == 1):
         for k_tile in cutlass.range(k_tile_cnt, unroll=1):
@@ -368,17 +368,20 @@ def _issue_k_tile(mma, state, acc):
 
 
 @cute.jit
-def _retire_k_tile(promotion, state, acc, scale, still_in_flight: cutlass.Constexpr):
+def _retire_k_tile(
+    promotion, state, acc, scale, still_in_flight: cutlass.Constexpr, first: cutlass.Constexpr = 0
+):
     """Wait until at most ``still_in_flight`` wgmma groups are pending (the
     oldest, ``acc``'s, has retired), give its slot ``state`` back to the
-    producer, and promote: accumulators += acc * scale. ``promotion``:
+    producer, and promote: accumulators += acc * scale (from value ``first``
+    on, for a part of the product set). ``promotion``:
     (pipeline, accumulators, straddle_col), where straddle_col is None or the
     first tile column whose weight scale is the second block's (tile_n = 192:
     64 or 128, since every 192-wide tile starts on a multiple of 64)."""
     ab_pipeline, accumulators, straddle_col = promotion
     cute.nvgpu.warpgroup.wait_group(still_in_flight)
     ab_pipeline.consumer_release(state)
-    _promote_at(accumulators, acc, scale, straddle_col, 0)
+    _promote_at(accumulators, acc, scale, straddle_col, first)
 
 
 @cute.jit

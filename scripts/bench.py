@@ -344,20 +344,24 @@ def time_deepgemm_peer(results, case, a, b, masked_m, check, reps, a_scale=None,
         print(f"{case['name']}: DeepGEMM peer skipped (deep_gemm not importable: {exc})", flush=True)
         return None
     out = torch.empty(a.shape[0], a.shape[1], b.shape[1], device=a.device, dtype=torch.bfloat16)
-    if a_scale is not None:
-        # its M-major, 16-byte aligned scale layout, made once here so no call re-lays it out
-        lhs = (a, deep_gemm.get_mn_major_tma_aligned_tensor(a_scale))
-        rhs = (b, b_scale)
-        gemm = deep_gemm.m_grouped_fp8_gemm_nt_masked
-    else:
-        lhs, rhs, gemm = a, b, deep_gemm.m_grouped_bf16_gemm_nt_masked
+    gemm = deepgemm_masked(deep_gemm, a, b, out, masked_m, a_scale, b_scale)
     candidates = [
-        (hint, lambda hint=hint: gemm(lhs, rhs, out, masked_m, hint))
+        (hint, lambda hint=hint: gemm(hint))
         for hint in sorted({case["expected_m"], int(case["expected_m"] * 1.2)})
     ]
     kept = time_fastest(results, "deepgemm_masked", candidates, out, check, reps,
                         f"{case['name']}: DeepGEMM peer, expected_m")
     return {"expected_m": kept[0], "err": kept[1]} if kept else None
+
+
+def deepgemm_masked(deep_gemm, a, b, out, masked_m, a_scale=None, b_scale=None):
+    """DeepGEMM's masked GEMM on these operands as a function of its
+    expected_m hint: fp8 (same recipe) when scales are given, else bf16."""
+    if a_scale is None:
+        return lambda hint: deep_gemm.m_grouped_bf16_gemm_nt_masked(a, b, out, masked_m, hint)
+    # its M-major, 16-byte aligned scale layout, made once here so no call re-lays it out
+    lhs = (a, deep_gemm.get_mn_major_tma_aligned_tensor(a_scale))
+    return lambda hint: deep_gemm.m_grouped_fp8_gemm_nt_masked(lhs, (b, b_scale), out, masked_m, hint)
 
 
 def _limits_line(limits):

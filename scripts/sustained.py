@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
-from bench import capture_graph, case_operands, cases_by_name, draw_masked_m  # noqa: E402
+from bench import capture_graph, case_operands, cases_by_name, deepgemm_masked, draw_masked_m  # noqa: E402
 
 SMI_FIELDS = "clocks.sm,power.draw,temperature.gpu"
 SMI_PERIOD_MS = 100
@@ -97,9 +97,8 @@ def main():
         runs = [("flashgemm", lambda: flashgemm.grouped_gemm_nt_masked(
             a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, expected_m=case["expected_m"]))]
         if deep_gemm is not None:
-            lhs = (a, deep_gemm.get_mn_major_tma_aligned_tensor(a_scale))
-            runs.append(("DeepGEMM", lambda: deep_gemm.m_grouped_fp8_gemm_nt_masked(
-                lhs, (b, b_scale), out, masked_m, case["expected_m"])))
+            gemm = deepgemm_masked(deep_gemm, a, b, out, masked_m, a_scale, b_scale)
+            runs.append(("DeepGEMM", lambda: gemm(case["expected_m"])))
             runs.append(runs[0])
         for name, fn in runs:
             us, clock, power, (t_lo, t_hi) = run_sustained(fn, args.seconds)
