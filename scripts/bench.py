@@ -244,6 +244,7 @@ def time_fastest(results, key, candidates, out, check, reps, what):
 
 
 QUACK_TUNED = [False]  # --quack-tuned
+PAIRED_ROUNDS = [6]  # --paired-rounds
 EXTRA_CONFIGS: list = []  # --configs
 
 
@@ -329,7 +330,7 @@ def time_quack_peer(results, case, a_packed, bt, rows, check, reps):
     return {"config": "autotuned" if QUACK_TUNED[0] else "default", "err": check(out)}
 
 
-def time_deepgemm_peer(results, case, a, b, masked_m, check, reps, a_scale=None, b_scale=None):
+def time_deepgemm_peer(results, case, a, b, masked_m, check, reps, a_scale=None, b_scale=None, ours=None):
     """Time DeepGEMM's masked grouped GEMM on the same operands, in the same run:
     ``deep_gemm.m_grouped_fp8_gemm_nt_masked`` (same 1x128 / 128x128 recipe) when
     scales are given, else ``m_grouped_bf16_gemm_nt_masked``. DeepGEMM picks its
@@ -337,7 +338,15 @@ def time_deepgemm_peer(results, case, a, b, masked_m, check, reps, a_scale=None,
     and 1.2x it (what DeepGEMM's own tests pass) are timed, and the faster is kept.
     Its output is poisoned, recomputed and checked with ``check(out)``. None when
     ``deep_gemm`` cannot be imported (no published wheel loads with every torch;
-    scripts/build_deepgemm.sh builds it from a checkout)."""
+    scripts/build_deepgemm.sh builds it from a checkout).
+
+    With ``ours`` (our call on the same operands) the kept hint is then timed
+    against it in ``PAIRED_ROUNDS`` interleaved rounds (``time_graph_rounds``):
+    the returned ``paired`` is the median over rounds of DeepGEMM's time over
+    ours. The single timings above run one after the other, each in
+    whatever power state the kernels before it left: on H100 at the 700 W
+    cap the same prefill kernel read 141.2 and then 115.2 us minutes apart
+    (2026-11-25), so a ratio of two such timings is good to about 20% there."""
     try:
         import deep_gemm
     except Exception as exc:  # not installed, or built for another torch
@@ -351,7 +360,13 @@ def time_deepgemm_peer(results, case, a, b, masked_m, check, reps, a_scale=None,
     ]
     kept = time_fastest(results, "deepgemm_masked", candidates, out, check, reps,
                         f"{case['name']}: DeepGEMM peer, expected_m")
-    return {"expected_m": kept[0], "err": kept[1]} if kept else None
+    if not kept:
+        return None
+    peer = {"expected_m": kept[0], "err": kept[1], "paired": None}
+    if ours is not None:
+        samples = time_graph_rounds([ours, lambda: gemm(kept[0])], rounds=PAIRED_ROUNDS[0], reps=reps)
+        peer["paired"] = paired_median(lambda o, d: d / o, *samples)
+    return peer
 
 
 def deepgemm_masked(deep_gemm, a, b, out, masked_m, a_scale=None, b_scale=None):
@@ -445,7 +460,8 @@ def run_fp8_case(case, seed, reps, sweep=False, dist="uniform"):
     triton_peer = time_triton_peer(results, case, a, b, masked_m, max_diff, reps, a_scale, b_scale)
     if triton_peer and triton_peer["err"] > 1e-3:
         raise SystemExit(f"{case['name']} fp8: Triton peer wrong (max similarity diff {triton_peer['err']:.2e})")
-    deepgemm_peer = time_deepgemm_peer(results, case, a, b, masked_m, max_diff, reps, a_scale, b_scale)
+    deepgemm_peer = time_deepgemm_peer(results, case, a, b, masked_m, max_diff, reps, a_scale, b_scale,
+                                       ours=ours)
     if deepgemm_peer and deepgemm_peer["err"] > 1e-3:
         raise SystemExit(f"{case['name']} fp8: DeepGEMM peer wrong (max similarity diff {deepgemm_peer['err']:.2e})")
     return {
@@ -542,7 +558,7 @@ def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
     quack_peer = time_quack_peer(results, case, a_packed, bt, rows, packed_err, reps)
     if quack_peer and quack_peer["err"] > 1e-2:
         raise SystemExit(f"{case['name']}: QuACK peer wrong (max rel err {quack_peer['err']:.2e})")
-    deepgemm_peer = time_deepgemm_peer(results, case, a, b, masked_m, max_err, reps)
+    deepgemm_peer = time_deepgemm_peer(results, case, a, b, masked_m, max_err, reps, ours=ours)
     if deepgemm_peer and deepgemm_peer["err"] > 1e-2:
         raise SystemExit(f"{case['name']}: DeepGEMM peer wrong (max rel err {deepgemm_peer['err']:.2e})")
     return {
@@ -574,7 +590,15 @@ def _deepgemm_mode(rows):
     if not hints:
         return "not run (deep_gemm not importable)"
     return ("timed in this run with the faster of two expected_m hints per case (the case's and 1.2x; "
-            f"kept: {', '.join(map(str, hints))})")
+            f"kept: {', '.join(map(str, hints))}); 'paired' is the median over {PAIRED_ROUNDS[0]} "
+            "interleaved rounds of its time over ours, timed back to back with ours in each round "
+            "(the measure to compare with; the single timings each ran in the power state the "
+            "kernels before them left)")
+
+
+def _paired(r):
+    paired = (r.get("deepgemm_peer") or {}).get("paired")
+    return f"{paired:.2f}x" if paired else "n/a"
 
 
 def to_markdown(rows, limits, device, cmd):
@@ -590,8 +614,8 @@ def to_markdown(rows, limits, device, cmd):
         f"GEMM on the packed valid rows, {_quack_mode(rows)}. DeepGEMM: its masked bf16 kernel "
         f"{_deepgemm_mode(rows)}.",
         "",
-        "| case | regime | flashgemm us | eager us | TFLOPS | GB/s | % copy BW | % roofline | torch packed us | torch 3D us | Triton masked us | QuACK varlen us | DeepGEMM us | vs packed | vs 3D | vs Triton | vs QuACK | vs DeepGEMM | max rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | regime | flashgemm us | eager us | TFLOPS | GB/s | % copy BW | % roofline | torch packed us | torch 3D us | Triton masked us | QuACK varlen us | DeepGEMM us | vs packed | vs 3D | vs Triton | vs QuACK | vs DeepGEMM | vs DeepGEMM paired | max rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ms = r["ms"]
@@ -603,7 +627,7 @@ def to_markdown(rows, limits, device, cmd):
             f"{_us(ms.get('triton_masked'))} | {_us(ms.get('quack_varlen'))} | {_us(ms.get('deepgemm_masked'))} | "
             f"{_ratio(packed, ms['flashgemm'])} | {_ratio(ms['torch_grouped_mm_3d'], ms['flashgemm'])} | "
             f"{_ratio(ms.get('triton_masked'), ms['flashgemm'])} | {_ratio(ms.get('quack_varlen'), ms['flashgemm'])} | "
-            f"{_ratio(ms.get('deepgemm_masked'), ms['flashgemm'])} | {r['max_rel_err']:.1e} |"
+            f"{_ratio(ms.get('deepgemm_masked'), ms['flashgemm'])} | {_paired(r)} | {r['max_rel_err']:.1e} |"
         )
     return "\n".join(lines)
 
@@ -637,8 +661,8 @@ def fp8_markdown(rows, limits, device, cmd, deepgemm):
         "GB/s on effective bytes (fp8 weights and scales of non-empty experts + valid rows of A, "
         "its scales and out).",
         "",
-        "| case | regime | flashgemm us | TFLOPS | GB/s | % copy BW | % roofline | torch fp8 us | vs torch | Triton masked us | vs Triton | DeepGEMM us | vs DeepGEMM | DeepGEMM listed us | vs listed | max sim diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | regime | flashgemm us | TFLOPS | GB/s | % copy BW | % roofline | torch fp8 us | vs torch | Triton masked us | vs Triton | DeepGEMM us | vs DeepGEMM | vs DeepGEMM paired | DeepGEMM listed us | vs listed | max sim diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ms = r["ms"]
@@ -650,7 +674,8 @@ def fp8_markdown(rows, limits, device, cmd, deepgemm):
             f"| {r['case']} | {r['regime']} | {us} | {tflops} | {gbps} | {pct} | {roof} | "
             f"{_us(peer)} | {_ratio(peer, ms['flashgemm'])} | {_us(ms.get('triton_masked'))} | "
             f"{_ratio(ms.get('triton_masked'), ms['flashgemm'])} | {_us(ms.get('deepgemm_masked'))} | "
-            f"{_ratio(ms.get('deepgemm_masked'), ms['flashgemm'])} | {_us(dg)} | {_ratio(dg, ms['flashgemm'])} | "
+            f"{_ratio(ms.get('deepgemm_masked'), ms['flashgemm'])} | {_paired(r)} | {_us(dg)} | "
+            f"{_ratio(dg, ms['flashgemm'])} | "
             f"{r['max_similarity_diff']:.1e} |"
         )
     return "\n".join(lines)
@@ -668,11 +693,14 @@ def main():
                    help="also time these configs (short names, e.g. m64n64k64s0wg1c1x2; k64 bf16, k128 fp8)")
     p.add_argument("--quack-tuned", action="store_true",
                    help="let QuACK's autotuner pick its configuration per case (slow first run)")
+    p.add_argument("--paired-rounds", type=int, default=6,
+                   help="interleaved rounds of ours against DeepGEMM (its 'paired' column)")
     p.add_argument("--dtype", choices=["bf16", "fp8", "both"], default="bf16")
     p.add_argument("--dist", choices=DISTRIBUTIONS, default="uniform",
                    help="masked_m distribution (uniform = the case file's rule)")
     args = p.parse_args()
     QUACK_TUNED[0] = args.quack_tuned
+    PAIRED_ROUNDS[0] = args.paired_rounds
     EXTRA_CONFIGS[:] = [parse_config(c) for c in args.configs]
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA GPU (none found)")
