@@ -268,7 +268,20 @@ def consume_tile_blockscaled(
     - the 128x128 tile with one product set and P = 2 against its two sets:
       dense-like 1.071, E2 m600 N2048 K7168 1.113.
     So the 128x192 prefill tile takes P = 2 and the 128-wide tiles keep two
-    product sets.
+    product sets. Two variants of this loop were slower (paired A/B against
+    it, H100, 2026-11-25):
+    - the next k-tile's first chain issued as soon as this one's first part
+      is promoted, so the last part's promotion overlaps it: with a chain in
+      flight across the loop's back edge ptxas serialized every wgmma
+      (C7514; LLVM copied the in-flight part registers into the loop's phis,
+      and with scale-d 0 a chain's input is the value the promotion reads).
+      Unrolled by two k-tiles, so that nothing is in flight at the back
+      edge, it compiled clean and ran 0.992-1.023: the other warpgroup
+      already fills that gap;
+    - only the first part's chain on a tile whose columns end inside it (the
+      last 192-wide n-block of N = 4096 or 7168 holds 64): the branch put six
+      more instructions into the full tiles' loop, 1.007-1.047, also on
+      N = 6144, which has no such tile.
     """
     # A tile that spans a 128-column boundary (tile_n = 192) takes the second
     # block's scale for its upper columns, from tile column straddle_col on.
