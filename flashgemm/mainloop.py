@@ -276,8 +276,8 @@ def consume_tile_blockscaled(
       (C7514; LLVM copied the in-flight part registers into the loop's phis,
       and with scale-d 0 a chain's input is the value the promotion reads).
       Unrolled by two k-tiles, so that nothing is in flight at the back
-      edge, it compiled clean and ran 0.992-1.023: the other warpgroup
-      already fills that gap;
+      edge, it compiled clean and ran 0.992-1.023, so that gap is not on
+      the critical path (presumably the other warpgroup's chains fill it);
     - only the first part's chain on a tile whose columns end inside it (the
       last 192-wide n-block of N = 4096 or 7168 holds 64): the branch put six
       more instructions into the full tiles' loop, 1.007-1.047, also on
