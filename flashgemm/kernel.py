@@ -399,13 +399,18 @@ class MaskedGroupedGemmSm90:
         return read_state, release_state
 
     def _part_width_mma(self, sA, sB, warp_group_idx):
-        """config.promote_parts: ((tiled MMA of one part's width, A fragments,
-        B fragments of each part of sB), the parts' product accumulators,
-        which hold the same values, in the same order, as one full-width
-        product accumulator would)."""
+        """config.promote_parts: (((tiled MMA of one part's width that starts
+        from zero, the same accumulating), A fragments, B fragments of each
+        part of sB), the parts' product accumulators, which hold the same
+        values, in the same order, as one full-width product accumulator
+        would). Each field is set once, here: setting it inside the k-loop
+        rebinds the MMA there, so no code after that loop could use it."""
         parts = self.config.promote_parts
         part_n = self.tile_mnk[1] // parts
+        tiled_mma_zero = self._make_tiled_mma(part_n)
+        tiled_mma_zero.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         tiled_mma_p = self._make_tiled_mma(part_n)
+        tiled_mma_p.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         wg_mma = tiled_mma_p.get_slice((warp_group_idx - 1) * 128)
         tCrA = tiled_mma_p.make_fragment_A(wg_mma.partition_A(sA))
         tCrB = tuple(
@@ -416,7 +421,7 @@ class MaskedGroupedGemmSm90:
         )
         shape = tiled_mma_p.get_slice(0).partition_shape_C((self.tile_mnk[0], part_n))
         products = tuple(cute.make_rmem_tensor(shape, self.acc_dtype) for _ in range(parts))
-        return (tiled_mma_p, tCrA, tCrB), products
+        return ((tiled_mma_zero, tiled_mma_p), tCrA, tCrB), products
 
     @cute.jit
     def _warm_l2_weights(

@@ -208,7 +208,7 @@ def skip_tile(
 def consume_tile_blockscaled(
     ab_pipeline: pipeline.PipelineTmaAsync,
     read_state: pipeline.PipelineState,
-    tiled_mma: cute.TiledMma,
+    tiled_mma,  # cute.TiledMma; with promote_parts, the pair (starts from zero, accumulates)
     accumulators: cute.Tensor,  # the tile's fp32 result, ((2, 2, BN/8), 1, 1) per thread
     acc_blocks: tuple,  # one or two tensors of one k-tile's raw fp8 products, same shape;
     # with GemmConfig.promote_parts, one tuple of the parts' products
@@ -365,12 +365,12 @@ def _issue_k_tile(mma, state, acc):
     if isinstance(acc, tuple):  # GemmConfig.promote_parts: one chain per part
         # (each chain starts from zero by its first wgmma's scale-d, not by
         # zeroing registers: zeroed ones made ptxas wait for the first chain
-        # before issuing the second)
+        # before issuing the second; tiled_mma is then the pair (the MMA that
+        # starts from zero, the one that accumulates))
         for acc_h, tCrB_h in zip(acc, tCrB):
             for k_block in range(cute.size(tCrA, mode=[2])):
                 coord = (None, None, k_block, state.index)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, k_block != 0)
-                cute.gemm(tiled_mma, acc_h, tCrA[coord], tCrB_h[coord], acc_h)
+                cute.gemm(tiled_mma[min(k_block, 1)], acc_h, tCrA[coord], tCrB_h[coord], acc_h)
             cute.nvgpu.warpgroup.commit_group()
         return scale
     for k_block in range(cute.size(tCrA, mode=[2])):
