@@ -31,6 +31,12 @@ def sustained_script():
     return _load_script("sustained")
 
 
+@pytest.fixture
+def swap_bound_script():
+    """scripts/probe_swap_bound.py loaded as a module (its configs need no GPU)."""
+    return _load_script("probe_swap_bound")
+
+
 def _load_script(name):
     import importlib.util
 
