@@ -83,6 +83,30 @@ def cases_by_name(names, error):
     return [(known.index(n), cases[known.index(n)]) for n in names]
 
 
+def probe_arguments(p, dist_note=None):
+    """The options every ``probe_*.py`` script shares: the cases (default
+    the two dsv3-ep32 ones), dtype, routing, rounds and reps."""
+    p.add_argument("--cases", nargs="+", default=["dsv3-ep32-gate_up", "dsv3-ep32-down"])
+    p.add_argument("--dtype", choices=["bf16", "fp8"], default="fp8")
+    p.add_argument("--dist", choices=DISTRIBUTIONS, default="uniform", help=dist_note)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--reps", type=int, default=20)
+
+
+def heuristic_setup(case, seed, fp8, dist="uniform"):
+    """(config, masked_m on the host, operands (a, b, a_scale, b_scale), out)
+    of a case with the heuristic's config for this GPU, on fresh data."""
+    from flashgemm.config import choose_config
+
+    e, max_m, n, k = case["E"], case["max_m"], case["N"], case["K"]
+    masked = draw_masked_m(case, seed, dist)
+    operands = case_operands(case, seed, fp8=fp8)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = choose_config(case["expected_m"], max_m, n, k, num_sms, fp8, e)
+    out = torch.empty(e, max_m, n, device="cuda", dtype=torch.bfloat16)
+    return cfg, masked, operands, out
+
+
 def case_operands(case, seed, fp8=False, dev="cuda"):
     """Fresh random a [E, max_m, K] and b [E, N, K] / sqrt(K) for a case, from
     torch's generator seeded with ``seed``; with ``fp8``, quantized with the

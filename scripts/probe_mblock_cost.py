@@ -24,18 +24,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
 from bench import (  # noqa: E402
-    DISTRIBUTIONS, case_operands, cases_by_name, draw_masked_m, paired_median, time_graph_rounds,
+    cases_by_name, heuristic_setup, paired_median, probe_arguments, time_graph_rounds,
 )
-from flashgemm.config import choose_config  # noqa: E402
 
 
 def probe(case, seed, fp8, dist, rounds, reps):
-    e, max_m, n, k = case["E"], case["max_m"], case["N"], case["K"]
-    masked = draw_masked_m(case, seed, dist)
-    a, b, sa, sb = case_operands(case, seed, fp8=fp8)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = choose_config(case["expected_m"], max_m, n, k, num_sms, fp8, e)
-    out = torch.empty(e, max_m, n, device="cuda", dtype=torch.bfloat16)
+    cfg, masked, (a, b, sa, sb), out = heuristic_setup(case, seed, fp8, dist)
     fns = []
     for m in (masked, masked.clamp(max=cfg.tile_m)):
         m = m.cuda()
@@ -49,12 +43,7 @@ def probe(case, seed, fp8, dist, rounds, reps):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", nargs="+", default=["dsv3-ep32-gate_up", "dsv3-ep32-down"])
-    p.add_argument("--dtype", choices=["bf16", "fp8"], default="fp8")
-    # (skewed routing also clamps the hot experts' real m-blocks: no bound there)
-    p.add_argument("--dist", choices=DISTRIBUTIONS, default="uniform")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--reps", type=int, default=20)
+    probe_arguments(p, "skewed routing also clamps the hot experts' real m-blocks: no bound there")
     args = p.parse_args()
     cases = cases_by_name(args.cases, p.error)
     if not torch.cuda.is_available():

@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import flashgemm  # noqa: E402
 from bench import (  # noqa: E402
-    DISTRIBUTIONS, case_operands, cases_by_name, draw_masked_m, paired_median, time_graph_rounds,
+    cases_by_name, heuristic_setup, paired_median, probe_arguments, time_graph_rounds,
 )
-from flashgemm.config import GemmConfig, choose_config  # noqa: E402
+from flashgemm.config import GemmConfig  # noqa: E402
 
 
 def transposed_config(tokens: int, fp8: bool) -> GemmConfig:
@@ -78,12 +78,7 @@ def transposed_call(case, seed, fp8, tokens):
 def probe(case, seed, fp8, dist, token_counts, rounds, reps):
     """(heuristic config, masked_m, [us of the heuristic, then of each T],
     [transposed / heuristic per T])."""
-    e, max_m, n, k = case["E"], case["max_m"], case["N"], case["K"]
-    masked = draw_masked_m(case, seed, dist)
-    a, b, sa, sb = case_operands(case, seed, fp8=fp8)
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = choose_config(case["expected_m"], max_m, n, k, num_sms, fp8, e)
-    out = torch.empty(e, max_m, n, device="cuda", dtype=torch.bfloat16)
+    cfg, masked, (a, b, sa, sb), out = heuristic_setup(case, seed, fp8, dist)
     m = masked.cuda()
     fns = [lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, m, a_scale=sa, b_scale=sb, config=cfg)]
     fns += [transposed_call(case, seed, fp8, t)[1] for t in token_counts]
@@ -95,13 +90,9 @@ def probe(case, seed, fp8, dist, token_counts, rounds, reps):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", nargs="+", default=["dsv3-ep32-gate_up", "dsv3-ep32-down"])
-    p.add_argument("--dtype", choices=["bf16", "fp8"], default="fp8")
-    p.add_argument("--dist", choices=DISTRIBUTIONS, default="uniform")
+    probe_arguments(p)
     p.add_argument("--tokens", type=int, nargs="+", default=[64, 128, 192],
                    help="token tile sizes T of the transposed runs (64, 128 or 192)")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
     cases = cases_by_name(args.cases, p.error)
     fp8 = args.dtype == "fp8"
