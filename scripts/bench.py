@@ -96,13 +96,11 @@ def probe_arguments(p, dist_note=None):
 def heuristic_setup(case, seed, fp8, dist="uniform"):
     """(config, masked_m on the host, operands (a, b, a_scale, b_scale), out)
     of a case with the heuristic's config for this GPU, on fresh data."""
-    from flashgemm.config import choose_config
-
     e, max_m, n, k = case["E"], case["max_m"], case["N"], case["K"]
     masked = draw_masked_m(case, seed, dist)
     operands = case_operands(case, seed, fp8=fp8)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = choose_config(case["expected_m"], max_m, n, k, num_sms, fp8, e)
+    cfg = flashgemm.choose_config(case["expected_m"], max_m, n, k, num_sms, fp8, e)
     out = torch.empty(e, max_m, n, device="cuda", dtype=torch.bfloat16)
     return cfg, masked, operands, out
 
