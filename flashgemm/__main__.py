@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -14,11 +15,23 @@ PTX_FEATURES = {
     "tma-store": "cp.async.bulk.tensor.3d.global.shared::cta",
     "setmaxnreg": "setmaxnreg",
     "stmatrix": "stmatrix",
+    "bulk-reduce": "cp.reduce.async.bulk",
+    "acquire-poll": "ld.acquire.gpu",
 }
+# A signalled kernel's publishing sequence, in this order: the bulk stores
+# complete (the full wait, not ``.read``), the async-proxy writes are fenced
+# before generic operations, then the GPU-scope release add.
+SIGNAL_SEQUENCE = re.compile(
+    r"cp\.async\.bulk\.wait_group\s+0;\s*fence\.proxy\.async\.global;"
+    r"[^;]*(?:;[^;]*){0,8}?red\.release\.gpu\.global\.add\.s32"
+)
 
 
 def ptx_features(ptx: str) -> list[str]:
-    return [name for name, needle in PTX_FEATURES.items() if needle in ptx]
+    feats = [name for name, needle in PTX_FEATURES.items() if needle in ptx]
+    if SIGNAL_SEQUENCE.search(ptx):
+        feats.append("signal-publish")
+    return feats
 
 
 def _hopper_gpu():
@@ -34,28 +47,43 @@ def _hopper_gpu():
 
 
 def cmd_compile(args) -> int:
-    from .compile import build, ensure_arch_env, operand_dtype, precompile
-    from .config import FP8_HEURISTIC_CONFIGS, HEURISTIC_CONFIGS
+    from .jit.arch import ensure_arch_env
+    from .sm90.build import build, build_combine, combine_block_ms, precompile
+    from .sm90.heuristic import reachable_specs
+    from .signals import DEFAULT_ROWS_PER_ITEM
 
     arch = ensure_arch_env(args.arch)
     if getattr(args, "cache_dir", None):
         t0 = time.perf_counter()
-        n = precompile(arch=arch, cache_dir=args.cache_dir)
+        n = precompile(arch=arch, cache_dir=args.cache_dir, progress=True)
         print(f"{n} kernels for {arch} in {args.cache_dir} ({time.perf_counter() - t0:.1f} s); "
               f"use them with FLASHGEMM_CACHE_DIR={args.cache_dir}")
         return 0
-    configs = HEURISTIC_CONFIGS + FP8_HEURISTIC_CONFIGS
-    print(f"compiling {len(HEURISTIC_CONFIGS)} bf16 and {len(FP8_HEURISTIC_CONFIGS)} block-scaled "
-          f"fp8 configurations for {arch} (no GPU needed)")
+    specs = [s for s in reachable_specs() if not args.match or args.match in s.name()]
+    block_ms = [] if args.match else combine_block_ms(reachable_specs())
+    total = len(specs) + len(block_ms)
+    print(f"compiling the {total} kernels flashgemm can launch on {arch}: {len(specs)} GEMMs "
+          f"(every configuration the heuristic picks x signal mode) and {len(block_ms)} combines "
+          f"(no GPU needed)", flush=True)
     ok = True
-    for cfg in configs:
+    t_all = time.perf_counter()
+    for i, spec in enumerate(specs):
         t0 = time.perf_counter()
-        ab = operand_dtype(cfg)
-        fn = build(cfg, ab, arch=arch, keep_ptx=True)
-        secs = time.perf_counter() - t0
-        feats = ptx_features(fn.__ptx__ or "")
+        feats = ptx_features(build(spec, arch, keep_ptx=True).__ptx__ or "")
         ok &= "wgmma" in feats and "tma-load" in feats
-        print(f"  {ab:8s} {cfg.short_name():28s} {secs:5.1f} s  PTX: {', '.join(feats)}")
+        if spec.signal_mode is not None:
+            ok &= "signal-publish" in feats
+        print(f"  [{i + 1:3d}/{total}] {spec.name():58s} {time.perf_counter() - t0:5.1f} s  "
+              f"PTX: {', '.join(feats)}", flush=True)
+    for j, block_m in enumerate(block_ms):
+        t0 = time.perf_counter()
+        feats = ptx_features(build_combine(block_m, arch, keep_ptx=True,
+                                           rows_per_item=DEFAULT_ROWS_PER_ITEM).__ptx__ or "")
+        ok &= "bulk-reduce" in feats and "acquire-poll" in feats
+        name = f"combine-block_m{block_m}-rows{DEFAULT_ROWS_PER_ITEM}"
+        print(f"  [{len(specs) + j + 1:3d}/{total}] {name:58s} {time.perf_counter() - t0:5.1f} s  "
+              f"PTX: {', '.join(feats)}", flush=True)
+    print(f"done in {time.perf_counter() - t_all:.0f} s", flush=True)
     return 0 if ok else 1
 
 
@@ -71,7 +99,7 @@ def cmd_demo(args) -> int:
         print(f"flashgemm demo: {why}.")
         print("Without a Hopper GPU nothing is launched. Instead: compile the sm_90a kernels")
         print("(the real build, PTX checked) and run the torch reference on a small CPU case.\n")
-        rc = cmd_compile(argparse.Namespace(arch="sm_90a"))
+        rc = cmd_compile(argparse.Namespace(arch="sm_90a", cache_dir=None, match="m64n64"))
         e_count, max_m, n, k = 4, 64, 256, 512
         a = torch.randn(e_count, max_m, k, dtype=torch.bfloat16)
         b = torch.randn(e_count, n, k, dtype=torch.bfloat16)
@@ -151,10 +179,11 @@ def main(argv=None) -> int:
     d.add_argument("--expected-m", type=int, default=32)
     d.add_argument("-n", type=int, default=4096)
     d.add_argument("-k", type=int, default=7168)
-    c = sub.add_parser("compile", help="compile every heuristic configuration (no GPU needed)")
+    c = sub.add_parser("compile", help="compile every kernel the package can launch (no GPU needed)")
     c.add_argument("--arch", default="sm_90a")
     c.add_argument("--cache-dir", help="fill this disk cache with every kernel the package can launch "
-                   "(all configurations x signal modes) instead of listing PTX features")
+                   "instead of listing PTX features")
+    c.add_argument("--match", default="", help="only the GEMM kernels whose name contains this")
     args = p.parse_args(argv)
     if args.cmd == "compile":
         return cmd_compile(args)

@@ -16,25 +16,11 @@ from typing import Optional
 
 import torch
 
-from .launcher import _device_facts, grouped_gemm_nt_masked
-from .signals import SignalLayout, alloc_signals
-from .validation import _FP8, _check_tensor, out_dtype
+from .api import device_facts, grouped_gemm_nt_masked, signal_layout
+from .signals import DEFAULT_ROWS_PER_ITEM, SignalLayout, alloc_signals, check_rows_per_item
+from .validation import _FP8, _byte_span, _check_tensor, out_dtype
 
 DEFAULT_MAX_POLLS = 20_000_000  # with <= 256 ns back-off: ~5 s before giving up
-# 4-row items: on H100 (bench_overlap.py, combine on 20 SMs, two runs each)
-# overlapped / longer alone for 8 / 4 / 2 rows: dsv3-ep32-down 1.13-1.10 /
-# 1.09-1.11 / 1.11-1.08, qwen3-235b-ep8-down 1.12-1.11 / 1.08 / 1.09-1.08,
-# qwen3-30b 1.06 / 1.06 / 1.06-1.07; the combine alone takes longest at 2.
-DEFAULT_ROWS_PER_ITEM = 4
-
-
-def check_rows_per_item(rows_per_item, block_m: int) -> None:
-    """A combine work item must be a power-of-two slice of one GEMM m-block."""
-    if (isinstance(rows_per_item, bool) or not isinstance(rows_per_item, int) or rows_per_item < 1
-            or rows_per_item & (rows_per_item - 1) or block_m % rows_per_item):
-        raise ValueError(
-            f"rows_per_item must be a power of two dividing block_m={block_m}, got {rows_per_item!r}"
-        )
 
 
 def _check(name, t, dtype, shape):
@@ -87,6 +73,8 @@ def combine_masked(
     if not isinstance(combined, torch.Tensor) or combined.dim() != 2:
         raise ValueError("combined must be a [T, N] float32 tensor")
     _check("combined", combined, torch.float32, (combined.shape[0], n))
+    if _overlaps(out, combined):
+        raise ValueError("combined must not overlap out (the combine reads out while it writes combined)")
     if combined.data_ptr() % 16:
         # rows leave by 16-byte-aligned bulk reductions
         raise ValueError("combined must start at a 16-byte aligned address")
@@ -101,15 +89,27 @@ def combine_masked(
             raise ValueError(f"{name} is on {t.device} but out is on {out.device}")
     if out.device.type != "cuda":
         raise ValueError(f"out must be on a CUDA device, got {out.device}")
-    sm_count = _device_facts(out.device.index)[1]
+    sm_count = device_facts(out.device.index)[1]
     if isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 1 <= num_sms <= sm_count:
         raise ValueError(f"num_sms must be an int in [1, {sm_count}], got {num_sms!r}")
 
-    from .compile import get_combine_kernel
+    from .sm90.build import get_combine_kernel
 
     fn = get_combine_kernel(layout.block_m, rows_per_item)
     fn(out, masked_m, dst_signals, token_idx, weight, combined, err, layout.n_tiles, max_polls, num_sms)
     return err
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"shape {tuple(t.shape)} on {t.device}"
+    return type(t).__name__
+
+
+def _overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
+    lo_x, hi_x = _byte_span(x)
+    lo_y, hi_y = _byte_span(y)
+    return x.device == y.device and lo_x < hi_y and lo_y < hi_x
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,7 +140,14 @@ def run_gemm_and_combine(
     Block-scaled fp8 operands take ``a_scale`` and ``b_scale`` as in
     ``grouped_gemm_nt_masked`` (``out`` is then bf16).
     Returns (out, err); both streams are joined into the current one."""
-    sm_count = _device_facts(a.device.index)[1]
+    if not isinstance(a, torch.Tensor) or a.dim() != 3 or a.device.type != "cuda":
+        raise ValueError(f"a must be an [E, max_m, K] tensor on a CUDA device, got {_describe(a)}")
+    if not isinstance(b, torch.Tensor) or b.dim() != 3:
+        raise ValueError(f"b must be an [E, N, K] tensor, got {_describe(b)}")
+    sm_count = device_facts(a.device.index)[1]
+    for name, value in (("gemm_sms", gemm_sms), ("combine_sms", combine_sms)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if combine_sms is None:
         combine_sms = sm_count - gemm_sms
     if not 1 <= gemm_sms < sm_count or not 1 <= combine_sms <= sm_count - gemm_sms:
@@ -148,10 +155,10 @@ def run_gemm_and_combine(
             f"need gemm_sms + combine_sms <= {sm_count} (co-residency), got {gemm_sms} + {combine_sms}"
         )
     e_count, max_m, _ = a.shape
-    from .launcher import signal_layout
-
+    if out is not None and isinstance(combined, torch.Tensor) and _overlaps(out, combined):
+        raise ValueError("combined must not overlap out (the combine reads out while it writes combined)")
     layout = signal_layout(e_count, max_m, b.shape[1], a.shape[2], expected_m=expected_m,
-                           num_sms=gemm_sms, config=config, fp8=a.dtype == _FP8)
+                           num_sms=gemm_sms, config=config, fp8=a.dtype == _FP8, device=a.device)
     signals = alloc_signals(layout, a.device)
     if out is None:
         out = torch.empty((e_count, max_m, b.shape[1]), dtype=out_dtype(a.dtype), device=a.device)

@@ -32,6 +32,17 @@ from typing import Optional
 import torch
 
 GRANULARITIES = ("m_block", "expert")
+# A combine's work item: this many rows of one GEMM m-block (docs/design.md, Signals).
+DEFAULT_ROWS_PER_ITEM = 4
+
+
+def check_rows_per_item(rows_per_item, block_m: int) -> None:
+    """A combine work item must be a power-of-two slice of one GEMM m-block."""
+    if (isinstance(rows_per_item, bool) or not isinstance(rows_per_item, int) or rows_per_item < 1
+            or rows_per_item & (rows_per_item - 1) or block_m % rows_per_item):
+        raise ValueError(
+            f"rows_per_item must be a power of two dividing block_m={block_m}, got {rows_per_item!r}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Per-CTA timeline of one kernel launch (a development tool, off in every
 cached kernel).
 
-A kernel built with ``compile.build(..., trace=True)`` takes, in place of the
+A kernel built with ``sm90.build.build(spec, trace=True)`` takes, in place of the
 signal counters, an int32 buffer of ``num_ctas * SLOTS`` entries and stamps
 into it the low 32 bits of ``%globaltimer`` (nanoseconds, one clock for the
 whole GPU) at these points of each CTA:
@@ -16,7 +16,7 @@ whole GPU) at these points of each CTA:
   epilogue, for the first ``MAX_TILES`` tiles.
 
 ``timeline`` turns the buffer into per-CTA times relative to the first entry;
-``scripts/trace_tiles.py`` prints where a launch spends its time (launch
+``tools/trace_tiles.py`` prints where a launch spends its time (launch
 spread, first tile, steady tiles, the last wave).
 """
 

@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .jit.arch import backend_name
+
 _AB_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 _FP8 = torch.float8_e4m3fn
 _SCALE_BLOCK = 128  # 1x128 activation / 128x128 weight scale blocks
@@ -209,13 +211,24 @@ def out_dtype(ab_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if ab_dtype == _FP8 else ab_dtype
 
 
+def check_num_sms(num_sms, sm_count: int, device) -> int:
+    """The persistent-grid cap: ``num_sms`` (an int in [1, sm_count]) or every SM."""
+    if num_sms is None:
+        return sm_count
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int):
+        raise TypeError(f"num_sms must be an int or None, got {type(num_sms).__name__}")
+    if not 1 <= num_sms <= sm_count:
+        raise ValueError(f"num_sms must be in [1, {sm_count}] on {device}, got {num_sms}")
+    return num_sms
+
+
 def validate_device(
     tensors: dict, num_sms: Optional[int], capability: tuple[int, int], sm_count: int, name: str = ""
 ) -> int:
     """Device checks from given device facts (pure, so CPU tests can drive it).
 
-    ``tensors`` maps argument names to tensors that must share one CUDA device.
-    Returns the persistent-grid cap.
+    ``tensors`` maps argument names to tensors (or None) that must all be on
+    one CUDA device. Returns the persistent-grid cap.
     """
     devices = {}
     for arg, t in tensors.items():
@@ -228,15 +241,9 @@ def validate_device(
     for arg, dev in devices.items():
         if dev != first:
             raise ValueError(f"{arg} is on {dev} but {first_arg} is on {first}; all must share one device")
-    if tuple(capability) != (9, 0):
+    if backend_name(capability) is None:
         raise ValueError(
             f"flashgemm's kernels need an sm_90 (Hopper) GPU; {first} is "
             f"{name + ' ' if name else ''}sm_{capability[0]}{capability[1]}"
         )
-    if num_sms is None:
-        return sm_count
-    if isinstance(num_sms, bool) or not isinstance(num_sms, int):
-        raise TypeError(f"num_sms must be an int, got {type(num_sms).__name__}")
-    if not 1 <= num_sms <= sm_count:
-        raise ValueError(f"num_sms must be in [1, {sm_count}] on {first}, got {num_sms}")
-    return num_sms
+    return check_num_sms(num_sms, sm_count, first)

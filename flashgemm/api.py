@@ -1,0 +1,353 @@
+"""The public op: pick a configuration and launch, after the checks of
+``validation`` (run once per argument signature; the address checks on every call).
+The arch package that serves the GPU (``jit.arch.BACKENDS``) supplies the
+heuristic, the configuration rules and the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .config import GemmConfig, KernelSpec, Operands, Tail
+from .signals import SignalLayout, check_granularity, make_signal_layout, validate_signals
+from .sm90.heuristic import choose_config
+from .sm90.limits import check_config
+from .validation import (
+    _FP8,
+    _TMA_ALIGN,
+    _byte_span,
+    _span,
+    check_no_alias,
+    check_num_sms,
+    out_dtype,
+    tma_ready_a_scale,
+    validate_args,
+    validate_device,
+)
+from . import workspace
+
+
+@functools.lru_cache(maxsize=None)
+def device_facts(index: int) -> tuple[tuple[int, int], int, str]:
+    """(compute capability, SM count, name) of CUDA device ``index``."""
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count, props.name
+
+
+@functools.lru_cache(maxsize=64)
+def _validated(config: GemmConfig, operands: Operands) -> GemmConfig:
+    # configs are frozen: validate each one once per process
+    return check_config(config, operands)
+
+
+def _resolve_config(
+    config, expected_m, max_m, n, k, grid_cap, fp8=False, num_experts=None, signals=False
+) -> GemmConfig:
+    if expected_m is not None:
+        if isinstance(expected_m, bool) or not isinstance(expected_m, int):
+            raise TypeError(f"expected_m must be an int or None, got {type(expected_m).__name__}")
+        if expected_m < 0:
+            raise ValueError(f"expected_m must be >= 0, got {expected_m}")
+    if config is None:
+        return choose_config(expected_m, max_m, n, k, grid_cap, fp8, num_experts, signals)
+    if not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(config).__name__}")
+    return _validated(config, Operands.FP8_BLOCK if fp8 else Operands.BF16)
+
+
+def signal_layout(
+    num_experts: int,
+    max_m: int,
+    n: int,
+    k: int,
+    *,
+    expected_m: Optional[int] = None,
+    num_sms: Optional[int] = None,
+    config: Optional[GemmConfig] = None,
+    signal_granularity: str = "m_block",
+    fp8: bool = False,
+    device=None,
+) -> SignalLayout:
+    """The signal layout a call with these arguments will use, known before
+    launch (so a combine kernel can be set up first). ``num_sms`` as passed to
+    the call, checked the same way (None: every SM of ``device``); ``device``:
+    the GPU the call's tensors are on (default: the current CUDA device);
+    ``fp8`` for float8_e4m3fn operands."""
+    if device is None:
+        if not torch.cuda.is_available():
+            raise ValueError("signal_layout needs a CUDA device (pass device=...)")
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {device}")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    grid_cap = check_num_sms(num_sms, device_facts(index)[1], device)
+    cfg = _resolve_config(config, expected_m, max_m, n, k, grid_cap, fp8, num_experts, signals=True)
+    return make_signal_layout(signal_granularity, max_m, n, cfg.tile_m, cfg.tile_n, num_experts)
+
+
+def grouped_gemm_nt_masked(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: Optional[torch.Tensor],
+    masked_m: torch.Tensor,
+    *,
+    a_scale: Optional[torch.Tensor] = None,
+    b_scale: Optional[torch.Tensor] = None,
+    expected_m: Optional[int] = None,
+    num_sms: Optional[int] = None,
+    config: Optional[GemmConfig] = None,
+    dst_signals: Optional[torch.Tensor] = None,
+    signal_granularity: str = "m_block",
+    stream: Optional[torch.cuda.Stream] = None,
+):
+    """``out[e, :m_e] = a[e, :m_e] @ b[e].T`` for every expert, m_e = clamp(masked_m[e], 0, max_m).
+
+    a: [E, max_m, K] bf16, K contiguous. b: [E, N, K] bf16, K contiguous.
+    out: [E, max_m, N] bf16, N contiguous, or None to allocate (rows >= m_e of a
+    fresh tensor are uninitialized). masked_m: int32 [E] on the same GPU, read
+    only by the kernel. Rows ``out[e, m_e:]`` and all memory outside ``out``
+    are never written. Runs on the current torch stream, or on ``stream``
+    (a ``torch.cuda.Stream`` of a's GPU) if given; no host sync.
+
+    Block-scaled fp8 (DeepSeek-V3 recipe): a and b float8_e4m3fn (K and N
+    multiples of 16), out bf16, with a_scale float32 [E, max_m, ceil(K/128)]
+    (one scale per row and 128-wide K block) and b_scale float32
+    [E, ceil(N/128), ceil(K/128)] (one per 128x128 block):
+    ``out[e, i, n] = sum_kb a_scale[e, i, kb] * b_scale[e, n // 128, kb] *
+    (a[e, i, kb-block] . b[e, n, kb-block])``. An a_scale that is M contiguous
+    with 16-byte-aligned strides (``quant.quantize_fp8_per_token``'s default,
+    what a low-latency dispatch writes) is read in place; a K-block-contiguous
+    one is first copied into that layout (an extra small kernel per call).
+
+    expected_m: mean valid rows per expert (host hint for the configuration).
+    num_sms: cap on the persistent grid, e.g. to leave SMs to a concurrent kernel.
+    config: a :class:`GemmConfig` that overrides the heuristic.
+    dst_signals: int32 counters, zeroed by the caller, that receive a release
+    add per finished tile (see ``flashgemm.signals``); ``signal_granularity``
+    is "m_block" or "expert". With signals the call returns ``(out, layout)``,
+    the :class:`SignalLayout` used (the same ``signal_layout(...)`` gives
+    before the launch); without, it returns ``out``.
+    """
+    if stream is not None:
+        _check_stream(stream, a)
+        with torch.cuda.stream(stream):
+            return grouped_gemm_nt_masked(
+                a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, expected_m=expected_m,
+                num_sms=num_sms, config=config, dst_signals=dst_signals,
+                signal_granularity=signal_granularity,
+            )
+    try:
+        # The launch plan for this signature: what the checks depend on that the
+        # compiled function does not check itself. Its TVM-FFI wrapper refuses,
+        # before launching, any dtype other than the compiled ones, shapes not
+        # tied to a's (E, max_m, K) and b's N (out, masked_m, a_scale's E and
+        # max_m), inner strides other than 1, and unaligned strides or bases.
+        # It takes uint32 for int32, so those two dtypes are keyed, and every
+        # tensor's device is keyed, so a plan never serves tensors on another GPU.
+        key = (
+            a.dtype, a.shape, a.stride(), a.get_device(), b.shape, b.stride(), masked_m.dtype,
+            b.get_device(), masked_m.get_device(), None if out is None else out.get_device(),
+            None if a_scale is None else a_scale.get_device(),
+            None if b_scale is None else b_scale.get_device(),
+            None if dst_signals is None else dst_signals.get_device(),
+            None if out is None else out.stride(),
+            None if a_scale is None else (a_scale.shape, a_scale.stride()),
+            None if b_scale is None else (b_scale.shape, b_scale.stride()),
+            None if dst_signals is None else (dst_signals.dtype, dst_signals.shape),
+            expected_m, type(expected_m), num_sms, type(num_sms), config, signal_granularity,
+        )
+        plan = _PLANS.get(key)
+        if plan is not None and not plan.pointers_ok(a, b, masked_m, out, a_scale, b_scale, dst_signals):
+            plan = None
+    except (AttributeError, TypeError):  # not tensors, unhashable: the full checks explain
+        key, plan = None, None
+    if plan is not None:
+        try:
+            return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals)
+        except Exception as refused:  # noqa: BLE001 - re-raised below unless a clearer error exists
+            # The compiled function's own checks refused an argument the key
+            # does not cover (say masked_m of another dtype, or out of another
+            # shape) before launching: every check below names the argument.
+            _explain(refused, a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config,
+                     dst_signals, signal_granularity)
+    plan = _make_plan(
+        a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals, signal_granularity
+    )
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals)
+
+
+def _check_stream(stream, a) -> None:
+    if not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
+    if isinstance(a, torch.Tensor) and a.device != stream.device:
+        raise ValueError(f"stream is on {stream.device} but a is on {a.device}")
+
+
+def _explain(refused: Exception, *args):
+    """Raise the full checks' error for these arguments (chained to the
+    compiled function's ``refused``), or ``refused`` itself if they pass."""
+    try:
+        _make_plan(*args)
+    except (TypeError, ValueError) as clear:
+        raise clear from refused
+    raise refused
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+
+
+class _LaunchPlan:
+    """What the full checks derived for one argument signature: the compiled
+    kernel, grid, signal layout, and the byte extents for the pointer checks
+    that must run on every call (alignment and aliasing depend on addresses)."""
+
+    __slots__ = (
+        "fn", "num_ctas", "layout", "out_shape", "out_dtype", "copy_a_scale",
+        "aligned", "written", "extents", "last_ok", "counter_device",
+    )
+
+    def __init__(self, **kw):
+        self.last_ok = None
+        for name, value in kw.items():
+            setattr(self, name, value)
+
+    def pointers_ok(self, a, b, masked_m, out, a_scale, b_scale, dst_signals) -> bool:
+        """The address-dependent checks of ``validate_args`` (alignment, no
+        aliasing of what the kernel writes); False sends the call through the
+        full checks, which name the problem. Absent tensors are None, as when
+        the plan was made (the signature key says which are present)."""
+        # (written for the interpreter: 0.4 us per call for four tensors when
+        # the addresses are those of the last call that passed, on the
+        # development CPU; a comprehension over all seven took 0.6)
+        ptrs = [a.data_ptr(), b.data_ptr(), masked_m.data_ptr()]
+        if out is not None:
+            ptrs.append(out.data_ptr())
+        if a_scale is not None:
+            ptrs.append(a_scale.data_ptr())
+        if b_scale is not None:
+            ptrs.append(b_scale.data_ptr())
+        if dst_signals is not None:
+            ptrs.append(dst_signals.data_ptr())
+        if ptrs == self.last_ok:
+            return True
+        extents = self.extents
+        bits = 0
+        for i in self.aligned:
+            bits |= ptrs[i]
+        if bits % _TMA_ALIGN:
+            return False
+        for w in self.written:
+            lo = ptrs[w]
+            hi = lo + extents[w]
+            j = 0
+            for p in ptrs:
+                if j != w and p < hi and lo < p + extents[j]:
+                    return False
+                j += 1
+        self.last_ok = ptrs
+        return True
+
+    def launch(self, a, b, out, masked_m, a_scale, b_scale, dst_signals):
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=a.device)
+        if self.copy_a_scale:
+            a_scale = tma_ready_a_scale(a_scale)
+        # On the tensors' GPU and its current torch stream, whatever the current
+        # device: tvm_ffi passes the current stream of the first CUDA tensor's
+        # device, and the compiled function switches to that device around the
+        # launch. (Checking the current device here cost 0.6 us per call on the
+        # H100 machine's CPU.)
+        self.fn(
+            a, b, out, masked_m, dst_signals, a_scale, b_scale,
+            None if self.counter_device is None else workspace.claim_counter(self.counter_device),
+            self.num_ctas,
+        )
+        return out if self.layout is None else (out, self.layout)
+
+
+def _extent(t) -> int:
+    return 0 if t is None else _span(0, t.shape, t.stride(), t.element_size())[1]
+
+
+def _make_plan(
+    a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals, signal_granularity
+) -> _LaunchPlan:
+    """Every check, in order; raises on bad input before anything launches."""
+    e_count, max_m, n, k = validate_args(a, b, out, masked_m, a_scale, b_scale)
+    fp8 = a.dtype == _FP8
+    index = a.device.index if a.device.type == "cuda" else None
+    if index is not None:
+        capability, sm_count, name = device_facts(index)
+    else:  # validate_device rejects the non-CUDA tensor
+        capability, sm_count, name = (0, 0), 0, ""
+    grid_cap = validate_device(
+        {"a": a, "b": b, "out": out, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale,
+         "dst_signals": dst_signals},
+        num_sms, capability, sm_count, name,
+    )
+    config = _resolve_config(
+        config, expected_m, max_m, n, k, grid_cap, fp8, e_count, signals=dst_signals is not None
+    )
+    cn = config.cluster_n
+    if grid_cap < cn:
+        raise ValueError(f"config.cluster_n={cn} needs num_sms >= {cn}, got {grid_cap}")
+    layout = None
+    if dst_signals is not None and config.tail is Tail.SPLIT:
+        raise ValueError(
+            "config.tail=SPLIT cannot publish dst_signals (the two halves of a split "
+            "tile finish on different CTAs); pass a config with another tail"
+        )
+    if dst_signals is not None:
+        layout = make_signal_layout(signal_granularity, max_m, n, config.tile_m, config.tile_n, e_count)
+        validate_signals(dst_signals, layout, a.device)
+        others = {"a": a, "b": b, "out": out, "a_scale": a_scale, "b_scale": b_scale, "masked_m": masked_m}
+        check_no_alias("dst_signals", _byte_span(dst_signals), others)
+    else:
+        check_granularity(signal_granularity)
+
+    # Persistent grid: never more clusters than units of work could use.
+    num_ctas = cn * config.grid_clusters(e_count, max_m, n, grid_cap)
+
+    from .sm90.build import get_kernel
+
+    mode = layout.granularity if layout is not None else None
+    d_dtype = out_dtype(a.dtype)
+    copy_a_scale = fp8 and tma_ready_a_scale(a_scale, check_only=True)
+    fn = get_kernel(KernelSpec(config, Operands.FP8_BLOCK if fp8 else Operands.BF16, mode))
+    if config.dynamic and index is not None:
+        workspace.prepare_graph_counters(index)
+    return _LaunchPlan(
+        # call the TVM-FFI function itself, not the DSL's Python wrapper around it
+        fn=getattr(fn, "__tvm_ffi_object__", lambda: None)() or fn,
+        num_ctas=num_ctas,
+        layout=layout,
+        out_shape=(e_count, max_m, n),
+        out_dtype=d_dtype,
+        copy_a_scale=copy_a_scale,
+        counter_device=index if config.dynamic else None,
+        **_pointer_rules((a, b, masked_m, out, a_scale, b_scale, dst_signals), copy_a_scale),
+    )
+
+
+def _pointer_rules(tensors, copy_a_scale: bool) -> dict:
+    """Which of (a, b, masked_m, out, a_scale, b_scale, dst_signals) are
+    present, which must be 16-byte aligned (TMA bases), which are written."""
+    present = [i for i, t in enumerate(tensors) if t is not None]
+    pos = {i: n for n, i in enumerate(present)}
+    aligned = [pos[i] for i in (0, 1, 3) if i in pos]
+    if not copy_a_scale and 4 in pos:
+        aligned.append(pos[4])
+    return dict(
+        aligned=tuple(aligned),
+        written=tuple(pos[i] for i in (3, 6) if i in pos),
+        extents=tuple(_extent(tensors[i]) for i in present),
+    )

@@ -1,0 +1,202 @@
+"""Compile entry points of the sm_90a kernels: the GEMM (one ``KernelSpec``
+each), the reference combine, and ``precompile``.
+
+Kernels are compiled from fake tensors whose extents (E, max_m, N, K) and
+strides are symbolic, so one compiled object serves every shape: only the
+spec and the target arch change the generated code, and those (with the
+versions and the source digest, ``jit.key``) form the cache key. masked_m is
+data, so a new token distribution never recompiles. Compiled objects take
+torch tensors directly through TVM-FFI and launch on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+import time
+from typing import Iterable, Optional
+
+from ..config import CLAIM_COUNTER_INTS, KernelSpec, Operands, TileOrder
+from ..jit import cache
+from ..jit.arch import default_arch, ensure_arch_env
+from ..jit.key import cache_key
+from ..signals import DEFAULT_ROWS_PER_ITEM
+from .heuristic import reachable_specs
+from .limits import check_config
+
+OUT_DTYPE = "bf16"
+
+
+def _cutlass_dtype(name: str):
+    import cutlass
+
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8e4m3": cutlass.Float8E4M3FN}[name]
+
+
+def _fake_args(ab_dtype, out_dtype):
+    """Fake (E, max_m, K) / (E, N, K) / (E, max_m, N) / (E,) tensors with symbolic
+    extents and 16-byte-aligned symbolic strides (the TMA requirement)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    def ld(dtype):  # a stride in elements that is a multiple of 16 bytes
+        return cute.sym_int64(divisibility=128 // dtype.width)
+
+    e, m, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    fake = cute.runtime.make_fake_tensor
+    a = fake(ab_dtype, (e, m, k), (ld(ab_dtype), ld(ab_dtype), 1), assumed_align=16)
+    b = fake(ab_dtype, (e, n, k), (ld(ab_dtype), ld(ab_dtype), 1), assumed_align=16)
+    d = fake(out_dtype, (e, m, n), (ld(out_dtype), ld(out_dtype), 1), assumed_align=16)
+    masked_m = fake(cutlass.Int32, (e,), (1,), assumed_align=4)
+    signals = fake(cutlass.Int32, (cute.sym_int(),), (1,), assumed_align=4)
+    sfa = sfb = None
+    if ab_dtype.width == 8:
+        f32 = cutlass.Float32
+        kb, nb = cute.sym_int(), cute.sym_int()
+        # activation scales (E, max_m, K/128), M contiguous, TMA-aligned strides;
+        # weight scales (E, N/128, K/128) read element-wise: any strides
+        sfa = fake(f32, (e, m, kb), (ld(f32), 1, ld(f32)), assumed_align=16)
+        sfb = fake(f32, (e, nb, kb), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+    return a, b, d, masked_m, signals, sfa, sfb
+
+
+@contextlib.contextmanager
+def _compile_options(keep_ptx: bool):
+    """TVM-FFI compile options. With keep_ptx the DSL writes the PTX to a file
+    named after the function (the same name for every config) and reads it back
+    into ``__ptx__``: give each build a private directory, so concurrent builds
+    (two test runs, two processes) never read each other's PTX."""
+    if not keep_ptx:
+        yield "--enable-tvm-ffi"
+        return
+    with tempfile.TemporaryDirectory(prefix="flashgemm-ptx-") as dump_dir:
+        yield f"--enable-tvm-ffi --keep-ptx --dump-dir {dump_dir}"
+
+
+def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, trace: bool = False):
+    """Compile one kernel (no caching). Returns the TVM-FFI callable
+    ``fn(a, b, out, masked_m, signals, a_scale, b_scale, counter, num_ctas)``
+    (``signals`` is None without a signal mode; the scales are None for bf16;
+    ``counter``, an int32 (2,) workspace that is zero between launches, only
+    for the dynamic order, else None); with ``keep_ptx`` its ``__ptx__``
+    holds the generated PTX. ``trace``: a development build whose
+    ``signals`` argument is a ``flashgemm.trace`` timeline buffer (never cached)."""
+    arch = ensure_arch_env(arch)
+    import cutlass
+    import cutlass.cute as cute
+
+    from .kernel import MaskedGroupedGemmSm90
+
+    config, operands = spec.config, spec.operands
+    check_config(config, operands)
+    ab_t, out_t = _cutlass_dtype(operands.value), _cutlass_dtype(OUT_DTYPE)
+    gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, spec.signal_mode, trace=trace)
+    a, b, d, masked_m, signals, sfa, sfb = _fake_args(ab_t, out_t)
+    if spec.signal_mode is None and not trace:
+        # no signals tensor to pass: each tensor argument costs the call a
+        # DLPack conversion and its checks (about 0.25 us on the H100 host)
+        signals = None
+    counter = None
+    if config.order is TileOrder.DYNAMIC:
+        counter = cute.runtime.make_fake_tensor(cutlass.Int32, (CLAIM_COUNTER_INTS,), (1,), assumed_align=4)
+    with _compile_options(keep_ptx) as options:
+        fn = cute.compile(
+            gemm, a, b, d, masked_m, signals, sfa, sfb, counter, cutlass.Int32(1),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=options,
+        )
+    cache.count_compile()
+    return fn
+
+
+def get_kernel(spec: KernelSpec, arch: Optional[str] = None):
+    """The cached compiled kernel of ``spec`` (compiled on first use, once per process)."""
+    arch = arch or default_arch()
+    return cache.cached(cache_key(arch, spec), lambda: build(spec, arch))
+
+
+def precompile(
+    specs: Optional[Iterable[KernelSpec]] = None,
+    *,
+    arch: Optional[str] = None,
+    cache_dir: Optional[str] = None,
+    progress: bool = False,
+) -> int:
+    """Build the kernels a deployment will launch and store them in the disk
+    cache (``cache_dir`` or $FLASHGEMM_CACHE_DIR), so serving never compiles.
+    ``specs`` defaults to every kernel the heuristic can pick
+    (``heuristic.reachable_specs``), and the reference combine. Works without
+    a GPU. Returns the number of kernels now cached."""
+    arch = ensure_arch_env(arch or default_arch())
+    todo = list(specs) if specs is not None else list(reachable_specs())
+    t0 = time.perf_counter()
+    for i, spec in enumerate(todo):
+        cache.store(cache_key(arch, spec), lambda: build(spec, arch), cache_dir)
+        if progress:
+            print(f"  [{i + 1}/{len(todo)}] {spec.name()}  ({time.perf_counter() - t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+    count = len(todo)
+    if specs is None:
+        for block_m in combine_block_ms(todo):
+            key = combine_key(arch, block_m, DEFAULT_ROWS_PER_ITEM)
+            cache.store(key, lambda: build_combine(block_m, arch, rows_per_item=DEFAULT_ROWS_PER_ITEM),
+                        cache_dir)
+            count += 1
+    return count
+
+
+def combine_block_ms(specs: Iterable[KernelSpec]) -> list:
+    """The m-block heights a combine waits on: the tile_m of every signalled kernel."""
+    return sorted({s.config.tile_m for s in specs if s.signal_mode is not None})
+
+
+def build_combine(
+    block_m: int, arch: Optional[str] = None, keep_ptx: bool = False, rows_per_item: Optional[int] = None
+):
+    """Compile the reference combine (``combine.MaskedCombineSm90``), no caching."""
+    ensure_arch_env(arch)
+    import cutlass
+    import cutlass.cute as cute
+
+    from .combine import MaskedCombineSm90
+
+    # N is a multiple of 8 (validated): rows of out are 16-byte aligned
+    e, m, t = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    n = cute.sym_int(divisibility=8)
+    fake = cute.runtime.make_fake_compact_tensor
+
+    def row_major(dt, shape, align=4):
+        return fake(dt, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align)
+
+    with _compile_options(keep_ptx) as options:
+        fn = cute.compile(
+            MaskedCombineSm90(block_m, rows_per_item or DEFAULT_ROWS_PER_ITEM),
+            row_major(cutlass.BFloat16, (e, m, n), 16),
+            fake(cutlass.Int32, (e,), assumed_align=4),
+            fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4),
+            row_major(cutlass.Int32, (e, m)),
+            row_major(cutlass.Float32, (e, m)),
+            row_major(cutlass.Float32, (t, n)),
+            fake(cutlass.Int32, (1,), assumed_align=4),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=options,
+        )
+    cache.count_compile()
+    return fn
+
+
+def combine_key(arch: str, block_m: int, rows_per_item: int) -> tuple:
+    return cache_key(arch, "combine", block_m, rows_per_item)
+
+
+def get_combine_kernel(block_m: int, rows_per_item: int, arch: Optional[str] = None):
+    """The compiled reference combine, cached like the GEMMs."""
+    arch = arch or default_arch()
+    return cache.cached(
+        combine_key(arch, block_m, rows_per_item),
+        lambda: build_combine(block_m, arch, rows_per_item=rows_per_item),
+    )

@@ -1,0 +1,487 @@
+"""Kernel assembly: the masked grouped GEMM for sm_90a.
+
+out[e, :m_e] = a[e, :m_e] @ b[e].T for every expert e, m_e = clamp(masked_m[e], 0, max_m).
+This module builds the TMA descriptors, the shared storage and the pipelines,
+then hands each warp its role (``producer``, ``storer``, ``consumer``).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32
+from cutlass.tensor_utils.layout import LayoutEnum
+
+from ..config import FP8_SLOT_WEIGHT_SCALES, GemmConfig, Operands, Staging, Tail, TileOrder
+from ..schedule.dynamic import FEED_STAGES, TileFeed, reader_warps
+from .. import trace as tr
+from . import barriers
+from .consumer import Consumer, ConsumerSmem
+from .epilogue import SIGNAL_STAGES
+from .limits import PRODUCER_REGS, consumer_regs, resolved_stages
+from .producer import Producer, ProducerLoads
+from .storer import TileStorer, run_store_warp
+from .walk import BalanceSlot, KernelShape, ProducerClaims, WalkArgs
+
+
+def _batch_last(t: cute.Tensor) -> cute.Tensor:
+    """View a torch-ordered (E, X, Y) tensor as CuTe's (X, Y, E)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 2, 0]))
+
+
+class MaskedGroupedGemmSm90:
+    """Persistent, warp-specialized masked grouped GEMM (NT; bf16 or
+    block-scaled fp8 e4m3 in, fp32 accumulate, bf16 out).
+
+    Warp roles (one CTA per SM, ``config.threads`` threads):
+
+    * warpgroup 0, warp 0: the **producer** (``producer``): walks the tile
+      order and issues the TMA loads of A, B (and for fp8 the scales) into
+      the ``stages``-deep ring; in a 2-CTA cluster each CTA multicasts half
+      of the A tile to both. With the dynamic order rank 0's producer claims
+      the units for the cluster.
+    * warpgroup 0, warp 1: the **store warp** (``storer``): walks the same
+      order, issues the bulk stores of the sub-tiles the consumers staged and
+      publishes completion signals. Warps 2-3 only give back registers
+      (``setmaxnreg``).
+    * warpgroups 1..W: the **consumers** (``consumer``): each owns 64 rows
+      of the tile, issues wgmma from the ring (``mainloop``; for fp8 with the
+      promotion ``config.promotion`` names) and runs the epilogue
+      (``epilogue``): full tiles staged for the store warp, partial ones
+      stored row by row.
+
+    Pipelines and barriers (ids in ``barriers``):
+
+    * operands: ``PipelineTmaAsync``, producer -> consumers, a full/empty
+      mbarrier pair per stage (fp8: the full barrier also takes the weight
+      scales' ``cp.async`` arrival);
+    * output staging: ``barriers.EPILOGUE`` (``Staging.PAIR``: two crossings
+      per sub-tile, buffer reuse guarded by the store warp's
+      ``cp.async.bulk.wait_group.read``), or a free/staged pair per consumer
+      warpgroup (``Staging.WHOLE_TILE``); ``barriers.CONSUMERS`` around the
+      partial-tile staging;
+    * signals: ``PipelineAsync``, consumers -> store warp, ``SIGNAL_STAGES``
+      mbarrier pairs, for the partial tiles the consumers store themselves;
+    * ``Tail.BALANCE`` in the expert-major order: ``barriers.BALANCE``, once
+      per launch, hands the producer's active-cluster count to the others
+      (the producer only arrives); the n-major walker counts in every role;
+    * ``TileOrder.DYNAMIC``: a ``FEED_STAGES``-slot claim ring (full/empty
+      mbarriers, ``st.async`` into the peer, ``schedule.dynamic``).
+
+    With ``config.pdl`` every thread waits in ``griddepcontrol.wait`` after
+    the barrier set-up and before its first global access, and the producer
+    triggers the next launch once its loads are issued; with
+    ``config.l2_warmup`` it first prefetches its likely first weight k-tiles
+    into L2.
+    """
+
+    def __init__(self, config: GemmConfig, ab_dtype, out_dtype, signal_mode=None, trace=False):
+        """signal_mode: None, "m_block" or "expert" (see ``signals.py``).
+        trace: development builds only; the signals argument is then the
+        timeline buffer of ``flashgemm.trace`` (no signals)."""
+        if trace and signal_mode is not None:
+            raise ValueError("a trace build takes no signal_mode (the buffer replaces the signals)")
+        if config.tail is Tail.SPLIT and signal_mode is not None:
+            # a tile's two halves finish on two CTAs; the signal counts tiles
+            raise ValueError("config.tail=SPLIT builds take no signal_mode")
+        self.config = config
+        self.signal_mode = signal_mode
+        self.trace = trace
+        self.ab_dtype = ab_dtype
+        self.out_dtype = out_dtype
+        self.acc_dtype = cutlass.Float32
+        operands = Operands.FP8_BLOCK if ab_dtype.width == 8 else Operands.BF16
+        self.tile_mnk = config.tile_mnk(operands)
+        self.stages = resolved_stages(config, operands)
+        self.epi_stages = config.epi_buffers
+        self.num_consumer_wg = config.consumer_warpgroups
+        self.num_consumer_threads = 128 * self.num_consumer_wg
+        self.threads = config.threads
+        self.cluster_n = config.cluster_n
+        self.a_chunk = config.a_chunk_rows
+        # 8-bit operands are the block-scaled fp8 recipe (a_scale, b_scale)
+        self.block_scaled = operands is Operands.FP8_BLOCK
+        shape = KernelShape(config, self.tile_mnk, self.stages, ab_dtype, self.acc_dtype, self.block_scaled)
+        self.producer = Producer(shape)
+        self.consumer = Consumer(shape, self._make_tiled_mma)
+
+    def _make_tiled_mma(self, n: int):
+        """The warpgroups' wgmma over ``n`` columns (both operands K-major)."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (self.num_consumer_wg, 1, 1),
+            tiler_mn=(64, n),
+        )
+
+    def _make_layouts(self):
+        self.tiled_mma = self._make_tiled_mma(self.tile_mnk[1])
+        self.a_smem_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype, self.stages
+        )
+        # one TMA box of A: this CTA's share of the tile, or one chunk of rows
+        # (config.a_chunk_rows; the stage holds the chunks one after another)
+        self.a_box_layout = cute.slice_(self.a_smem_layout, (None, None, 0))
+        if self.a_chunk:
+            chunk_mnk = (self.a_chunk, self.tile_mnk[1], self.tile_mnk[2])
+            self.a_box_layout = cute.slice_(
+                sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, chunk_mnk, self.ab_dtype, 1),
+                (None, None, 0),
+            )
+        self.b_smem_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype, self.stages
+        )
+        self.epi_tile = self.config.epi_tile
+        self.d_smem_layout = sm90_utils.make_smem_layout_epi(
+            self.out_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages
+        )
+        # the store warp's view of the same bytes: with the whole tile staged,
+        # each warpgroup's 64 rows of a sub-tile leave in a bulk store of
+        # their own (epilogue.WarpgroupHandoff)
+        self.d_store_layout, self.d_store_box = self.d_smem_layout, self.epi_tile
+        if self.config.staging is Staging.WHOLE_TILE:
+            self.d_store_box = (64, self.epi_tile[1])
+            self.d_store_layout = sm90_utils.make_smem_layout_epi(
+                self.out_dtype, LayoutEnum.ROW_MAJOR, self.d_store_box,
+                self.epi_stages * self.num_consumer_wg,
+            )
+
+    def _sfb_smem_layout(self):
+        # (scale block, stage): the one or two weight scales of each slot
+        return cute.make_layout((FP8_SLOT_WEIGHT_SCALES, self.stages))
+
+    def _sfa_smem_layout(self):
+        # one fp32 activation scale per tile row and stage (M contiguous); built
+        # where it is used (a layout made on the host side cannot enter the kernel)
+        return cute.make_layout((self.tile_mnk[0], 1, self.stages))
+
+    def _shared_storage(self):
+        """The CTA's shared memory (plain Python: the struct differs by dtype)."""
+        stages, ab, out = self.stages, self.ab_dtype, self.out_dtype
+        a_size, b_size = cute.cosize(self.a_smem_layout), cute.cosize(self.b_smem_layout)
+        d_size = cute.cosize(self.d_smem_layout)
+        sfa_size = cute.cosize(self._sfa_smem_layout()) if self.block_scaled else 4
+        sfb_size = cute.cosize(self._sfb_smem_layout()) if self.block_scaled else 4
+
+        fields = {  # (annotations are strings in this module: build them explicitly)
+            "ab_mbar": cute.struct.MemRange[cutlass.Int64, stages * 2],
+            "sig_mbar": cute.struct.MemRange[cutlass.Int64, SIGNAL_STAGES * 2],
+            "sA": cute.struct.Align[cute.struct.MemRange[ab, a_size], 1024],
+            "sB": cute.struct.Align[cute.struct.MemRange[ab, b_size], 1024],
+            "sD": cute.struct.Align[cute.struct.MemRange[out, d_size], 1024],
+            "sSFA": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, sfa_size], 128],
+            # block-scaled fp8: each slot's weight scales, copied in by the producer
+            "sSFB": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, sfb_size], 16],
+        }
+        if self.config.tail is Tail.BALANCE and self.config.order is not TileOrder.N_MAJOR:
+            fields["active"] = cute.struct.MemRange[Int32, 1]  # the producer's count
+        if self.config.order is TileOrder.DYNAMIC:
+            fields["feed_mbar"] = cute.struct.MemRange[cutlass.Int64, 2 * FEED_STAGES]
+            fields["feed_slots"] = cute.struct.Align[cute.struct.MemRange[Int32, FEED_STAGES], 16]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (E, max_m, K), K contiguous
+        mB: cute.Tensor,  # (E, N, K), K contiguous
+        mD: cute.Tensor,  # (E, max_m, N), N contiguous
+        mMaskedM: cute.Tensor,  # (E,) int32
+        mSignals: cute.Tensor,  # int32 counters, or the trace buffer; None without either
+        mSFA: cute.Tensor,  # fp8: (E, max_m, ceil(K/128)) fp32, M contiguous; else None
+        mSFB: cute.Tensor,  # fp8: (E, ceil(N/128), ceil(K/128)) fp32; else None
+        mCounter: cute.Tensor,  # dynamic: (2,) int32 claim counter, zero between launches; else None
+        num_ctas: Int32,
+        stream,
+    ):
+        self._make_layouts()
+        mA_mkl = _batch_last(mA)
+        mB_nkl = _batch_last(mB)
+        mD_mnl = _batch_last(mD)
+        tma_atom_sfa, mSFA_tma, mSFB_nkl = None, None, None
+        if cutlass.const_expr(self.block_scaled):
+            tma_atom_sfa, mSFA_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+                _batch_last(mSFA),
+                cute.slice_(self._sfa_smem_layout(), (None, None, 0)),
+                (self.tile_mnk[0], 1),
+            )
+            mSFB_nkl = mSFB
+
+        b_smem_one = cute.slice_(self.b_smem_layout, (None, None, 0))
+        d_store_one = cute.slice_(self.d_store_layout, (None, None, 0))
+        tma_atom_a, mA_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+            if self.cluster_n > 1
+            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            mA_mkl,
+            self.a_box_layout,
+            (self.a_chunk or self.tile_mnk[0], self.tile_mnk[2]),
+            # chunks are dealt to the cluster's CTAs by the kernel itself
+            num_multicast=1 if self.a_chunk else self.cluster_n,
+        )
+        tma_atom_b, mB_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
+            mB_nkl,
+            b_smem_one,
+            (self.tile_mnk[1], self.tile_mnk[2]),
+        )
+        tma_atom_d, mD_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+            mD_mnl,
+            d_store_one,
+            self.d_store_box,
+        )
+
+        self.shared_storage = self._shared_storage()
+
+        self.kernel(
+            tma_atom_a,
+            mA_tma,
+            tma_atom_b,
+            mB_tma,
+            tma_atom_d,
+            mD_tma,
+            mD_mnl,
+            mMaskedM,
+            mSignals,
+            tma_atom_sfa,
+            mSFA_tma,
+            mSFB_nkl,
+            mCounter,
+            self.tiled_mma,
+            self.a_smem_layout,
+            self.b_smem_layout,
+            self.d_smem_layout,
+            self.d_store_layout,
+        ).launch(
+            grid=[num_ctas, 1, 1],
+            block=[self.threads, 1, 1],
+            cluster=[self.cluster_n, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+            use_pdl=self.config.pdl,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA_mkl: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_nkl: cute.Tensor,
+        tma_atom_d: cute.CopyAtom,
+        mD_tma: cute.Tensor,
+        mD_mnl: cute.Tensor,
+        mMaskedM: cute.Tensor,
+        mSignals: cute.Tensor,
+        tma_atom_sfa,  # block-scaled only (else None)
+        mSFA_tma,
+        mSFB: cute.Tensor,  # (E, N/128, K/128)
+        mCounter,  # dynamic only (else None)
+        tiled_mma: cute.TiledMma,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+        d_smem_layout: cute.ComposedLayout,
+        d_store_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        trace_base = bidx * tr.SLOTS
+        entry_time = Int32(0)
+        if cutlass.const_expr(self.trace):
+            entry_time = cute.arch.globaltimer_lo()
+
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_d)
+            if cutlass.const_expr(self.block_scaled):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_sfa)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        # with config.a_chunk_rows the A bytes are counted per tile (produce_tile)
+        tma_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0)))
+        if cutlass.const_expr(self.a_chunk == 0):
+            tma_bytes += cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0)))
+        if cutlass.const_expr(self.block_scaled):
+            tma_bytes += self.tile_mnk[0] * 4  # the tile's activation scales
+        # Every consumer warp arrives on the empty barrier of each CTA whose
+        # producer wrote into the slot: itself, plus the peer that multicast
+        # half of A into it. Block-scaled fp8: the full barrier also takes the
+        # arrival of the slot's weight-scale cp.async (produce_tile).
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 if self.block_scaled else 1),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.cluster_n * self.num_consumer_wg * 4
+            ),
+            tx_count=tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
+            defer_sync=True,
+        )
+        # partial tiles with signals: every consumer thread hands its stores
+        # to the store warp, which publishes them (epilogue.py)
+        sig_pipeline = None
+        if cutlass.const_expr(self.signal_mode is not None):
+            sig_pipeline = pipeline.PipelineAsync.create(
+                barrier_storage=storage.sig_mbar.data_ptr(),
+                num_stages=SIGNAL_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                defer_sync=True,
+            )
+        feed = None
+        if cutlass.const_expr(self.config.order is TileOrder.DYNAMIC):
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    TileFeed.init_barriers(
+                        storage.feed_mbar.data_ptr(), reader_warps(self.cluster_n, self.num_consumer_wg)
+                    )
+            feed = TileFeed(
+                storage.feed_slots.get_tensor(cute.make_layout(FEED_STAGES)),
+                storage.feed_mbar.data_ptr(), self.cluster_n,
+            )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
+        sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
+        sD = storage.sD.get_tensor(d_smem_layout.outer, swizzle=d_smem_layout.inner)
+        sD_store = storage.sD.get_tensor(d_store_layout.outer, swizzle=d_store_layout.inner)
+
+        # (BM, BK, RestM, RestK, E) / (BN, BK, RestN, RestK, E) / (BM, BN, RestM, RestN, E)
+        gA = cute.local_tile(mA_mkl, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB_nkl, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
+        gD_tma = cute.local_tile(mD_tma, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+        gD_mem = cute.local_tile(mD_mnl, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+
+        if cutlass.const_expr(self.a_chunk > 0):
+            # (TMA, chunks, 1, stages) / (TMA, RestM in chunks, RestK, E):
+            # which chunks a CTA loads is decided per tile (_a_loads)
+            gA_chunks = cute.local_tile(mA_mkl, (self.a_chunk, self.tile_mnk[2]), (None, None, None))
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_a,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(cute.flat_divide(sA, (self.a_chunk, self.tile_mnk[2])), 0, 2),
+                cute.group_modes(gA_chunks, 0, 2),
+            )
+        else:
+            # each CTA of the cluster loads its 1/cluster_n share of the A tile
+            tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_a,
+                cta_rank,
+                cute.make_layout(self.cluster_n),
+                cute.group_modes(sA, 0, 2),
+                cute.group_modes(gA, 0, 2),
+            )
+        a_mcast_mask = cutlass.Int16((1 << self.cluster_n) - 1) if self.cluster_n > 1 else None
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+        )
+        sSFA, tSFAsSFA, tSFAgSFA, mSFB_nkl, sSFB = None, None, None, None, None
+        if cutlass.const_expr(self.block_scaled):
+            mSFB_nkl = _batch_last(mSFB)
+            sSFA = storage.sSFA.get_tensor(self._sfa_smem_layout())
+            sSFB = storage.sSFB.get_tensor(self._sfb_smem_layout())
+            # (BM, 1, RestM, K/128, E): every CTA loads its own tile's scales
+            gSFA = cute.local_tile(mSFA_tma, (self.tile_mnk[0], 1), (None, None, None))
+            tSFAsSFA, tSFAgSFA = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_sfa, 0, cute.make_layout(1),
+                cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2),
+            )
+
+        num_experts = cute.size(mA_mkl, mode=[2])
+        max_m = cute.size(mA_mkl, mode=[0])
+        n_total = cute.size(mB_nkl, mode=[0])
+        num_n_blocks = (n_total + self.tile_mnk[1] - 1) // self.tile_mnk[1]
+        k_tile_cnt = cute.size(gA, mode=[3])
+
+        # barrier init visible to every thread of the cluster before anyone
+        # waits on them or multicasts into a peer
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
+        if cutlass.const_expr(self.config.pdl and self.config.l2_warmup):
+            if warp_idx == 0:
+                self.producer.warm_l2_weights(
+                    tma_atom_b, tBgB, bidx // self.cluster_n, cta_rank, num_n_blocks, num_experts, k_tile_cnt
+                )
+        if cutlass.const_expr(self.config.pdl):
+            # Launched with programmatic dependent launch, this CTA may be
+            # running before the previous kernel on the stream has finished:
+            # everything above touched only shared memory and the kernel
+            # parameters. Every thread waits here until that kernel has
+            # completed and its writes are visible, before any global access
+            # (masked_m, operands, out, signals).
+            cute.arch.griddepcontrol_wait()
+        mTrace = None  # trace builds: the timeline buffer, passed as mSignals
+        if cutlass.const_expr(self.trace):
+            mTrace = mSignals
+            if tidx == 0:
+                mTrace[trace_base + tr.ENTRY] = entry_time
+
+        epi_barrier = barriers.epilogue(self.num_consumer_threads)
+        consumer_barrier = barriers.consumers(self.num_consumer_threads)
+        handoff = None
+        if cutlass.const_expr(self.config.staging is Staging.WHOLE_TILE):
+            handoff = barriers.WarpgroupHandoff(self.num_consumer_wg)
+        tile_mn = (self.tile_mnk[0], self.tile_mnk[1])
+        num_m_slots = (max_m + self.tile_mnk[0] - 1) // self.tile_mnk[0]
+        num_clusters = gdim // self.cluster_n
+        # static order: cluster c starts on unit c; dynamic: every unit is
+        # claimed, and the walker starts from unit 0
+        sched_block = 0 if self.config.order is TileOrder.DYNAMIC else bidx
+        # Each role walks its own copy of the tile order (``walk``).
+        walk_args = WalkArgs(
+            mMaskedM, num_experts, max_m, num_n_blocks, self.tile_mnk[0], sched_block, gdim,
+            self.cluster_n, cta_rank,
+        )
+        producer_claims = ProducerClaims(cta_rank == 0, mCounter)
+        balance = None
+        if cutlass.const_expr(self.config.tail is Tail.BALANCE and self.config.order is not TileOrder.N_MAJOR):
+            # the producer warp publishes the active cluster count to the
+            # store warp and the consumers
+            balance = BalanceSlot(
+                storage.active.get_tensor(cute.make_layout(1)),
+                barriers.balance(self.num_consumer_threads),
+            )
+
+        if warp_group_idx == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                loads = ProducerLoads(
+                    tma_atom_a, tAgA, tAsA, a_mcast_mask, tma_atom_b, tBgB, tBsB,
+                    tma_atom_sfa, tSFAgSFA, tSFAsSFA, mSFB_nkl, sSFB,
+                )
+                self.producer.run(
+                    walk_args, feed, producer_claims, balance, ab_pipeline, loads, tma_bytes,
+                    k_tile_cnt, cta_rank, num_clusters, mCounter, mTrace, trace_base,
+                )
+            if warp_idx == 1:
+                # the store warp: bulk stores and signals, off the wgmma warps
+                storer = TileStorer(
+                    sD_store, tma_atom_d, gD_tma, tile_mn, self.epi_tile,
+                    cute.arch.lane_idx() == 0, epi_barrier, handoff,
+                )
+                run_store_warp(
+                    self.config, storer, self.signal_mode, walk_args, feed, balance, sig_pipeline,
+                    mSignals, num_m_slots, num_n_blocks, mTrace, trace_base,
+                )
+        else:
+            cute.arch.setmaxregister_increase(consumer_regs(self.num_consumer_wg))
+            self.consumer.run(
+                tidx, warp_group_idx, tiled_mma, ConsumerSmem(sA, sB, sD, sSFA, sSFB), gD_mem,
+                self.out_dtype, (epi_barrier, consumer_barrier, handoff), walk_args, feed, balance,
+                ab_pipeline, sig_pipeline, k_tile_cnt, n_total, mTrace, trace_base,
+            )

@@ -1,0 +1,82 @@
+"""What an sm_90a kernel can hold: shared memory, registers, wgmma shapes.
+
+Validation must reject a configuration the hardware cannot run before
+anything is compiled, so the budget is computed here, on the host, from the
+same numbers the kernel's shared storage uses.
+"""
+
+from __future__ import annotations
+
+from ..config import FP8_SLOT_WEIGHT_SCALES, GemmConfig, Operands, Promotion
+
+# 227 KiB of dynamic shared memory per CTA (the sm_90 opt-in limit).
+SMEM_BYTES = 232448
+# mbarriers and alignment slack kept out of the operand ring.
+SMEM_RESERVED_BYTES = 1024
+# setmaxnreg: the producer warpgroup only walks the scheduler and issues TMA.
+PRODUCER_REGS = 40
+
+
+def consumer_regs(num_consumer_wg: int) -> int:
+    """Registers per consumer thread: the SM's 64K registers split over the
+    warpgroups, less the producer's share, in setmaxnreg's multiples of 8,
+    at most 232 (2 consumers: 232; 3 consumers: 152)."""
+    warpgroups = num_consumer_wg + 1
+    avg = 65536 // (128 * warpgroups)
+    per_consumer = (avg * warpgroups - PRODUCER_REGS) // num_consumer_wg
+    return min(232, per_consumer // 8 * 8)
+
+
+def stage_bytes(cfg: GemmConfig, operands: Operands) -> int:
+    """One ring slot: the A and B k-tiles, and for fp8 the tile's fp32 row
+    scales and its weight scales."""
+    operand_bytes = (cfg.tile_m + cfg.tile_n) * operands.tile_k * operands.elem_bytes
+    if operands is Operands.FP8_BLOCK:
+        operand_bytes += (cfg.tile_m + FP8_SLOT_WEIGHT_SCALES) * 4
+    return operand_bytes
+
+
+def epi_bytes(cfg: GemmConfig, out_elem_bytes: int = 2) -> int:
+    em, en = cfg.epi_tile
+    return em * en * out_elem_bytes * cfg.epi_buffers
+
+
+def resolved_stages(cfg: GemmConfig, operands: Operands) -> int:
+    """Stages actually used: the explicit count, or as many as fit."""
+    if cfg.stages:
+        return cfg.stages
+    free = SMEM_BYTES - SMEM_RESERVED_BYTES - epi_bytes(cfg)
+    return max(free // stage_bytes(cfg, operands), 0)
+
+
+def smem_bytes(cfg: GemmConfig, operands: Operands) -> int:
+    return SMEM_RESERVED_BYTES + resolved_stages(cfg, operands) * stage_bytes(cfg, operands) + epi_bytes(cfg)
+
+
+def check_config(cfg: GemmConfig, operands: Operands) -> GemmConfig:
+    """Raise ValueError naming the field if ``cfg`` cannot be built for sm_90a."""
+    if not isinstance(cfg, GemmConfig):
+        raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(cfg).__name__}")
+    cfg.check_fields(operands)
+    fp8 = operands is Operands.FP8_BLOCK
+    if cfg.consumer_warpgroups == 3 and cfg.tile_n > (64 if fp8 else 128):
+        # 512 threads share 64K registers: 152 per consumer thread
+        raise ValueError(
+            f"config.tile_n must be <= {64 if fp8 else 128} with tile_m=192 (three consumer "
+            f"warpgroups) for {operands.value}, got {cfg.tile_n}"
+        )
+    if fp8 and cfg.tile_n > 192:
+        # the running sum and one k-block's products: tile_n fp32 registers per thread
+        raise ValueError(f"config.tile_n must be <= 192 for fp8, got {cfg.tile_n}")
+    if cfg.promotion is Promotion.OVERLAPPED and cfg.tile_n > 128:
+        # three accumulator sets: 3 * tile_n / 2 registers per thread
+        raise ValueError(f"config.tile_n must be <= 128 with promotion=OVERLAPPED, got {cfg.tile_n}")
+    n_stages = resolved_stages(cfg, operands)
+    if n_stages < 2:
+        raise ValueError(f"config needs at least 2 pipeline stages; {n_stages} fit in shared memory")
+    if smem_bytes(cfg, operands) > SMEM_BYTES:
+        raise ValueError(
+            f"config uses {smem_bytes(cfg, operands)} bytes of shared memory; sm_90 allows "
+            f"{SMEM_BYTES} (lower config.stages)"
+        )
+    return cfg
