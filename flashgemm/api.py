@@ -11,10 +11,12 @@ from typing import Optional
 
 import torch
 
-from .config import GemmConfig, KernelSpec, Operands, Tail
+from .jit.arch import device_facts
+from .config import Epilogue, GemmConfig, KernelSpec, Operands, Tail
 from .signals import SignalLayout, check_granularity, make_signal_layout, validate_signals
 from .sm90.heuristic import choose_config
 from .sm90.limits import check_config
+from .routing import COMBINE_FIELDS, Combine, check_combine
 from .validation import (
     _FP8,
     _TMA_ALIGN,
@@ -30,21 +32,14 @@ from .validation import (
 from . import workspace
 
 
-@functools.lru_cache(maxsize=None)
-def device_facts(index: int) -> tuple[tuple[int, int], int, str]:
-    """(compute capability, SM count, name) of CUDA device ``index``."""
-    props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor), props.multi_processor_count, props.name
-
-
 @functools.lru_cache(maxsize=64)
-def _validated(config: GemmConfig, operands: Operands) -> GemmConfig:
+def _validated(config: GemmConfig, operands: Operands, epilogue: Epilogue = Epilogue.STORE) -> GemmConfig:
     # configs are frozen: validate each one once per process
-    return check_config(config, operands)
+    return check_config(config, operands, epilogue)
 
 
 def _resolve_config(
-    config, expected_m, max_m, n, k, grid_cap, fp8=False, num_experts=None, signals=False
+    config, expected_m, max_m, n, k, grid_cap, fp8=False, num_experts=None, signals=False, combine=False
 ) -> GemmConfig:
     if expected_m is not None:
         if isinstance(expected_m, bool) or not isinstance(expected_m, int):
@@ -52,10 +47,11 @@ def _resolve_config(
         if expected_m < 0:
             raise ValueError(f"expected_m must be >= 0, got {expected_m}")
     if config is None:
-        return choose_config(expected_m, max_m, n, k, grid_cap, fp8, num_experts, signals)
+        return choose_config(expected_m, max_m, n, k, grid_cap, fp8, num_experts, signals, combine)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(config).__name__}")
-    return _validated(config, Operands.FP8_BLOCK if fp8 else Operands.BF16)
+    return _validated(config, Operands.FP8_BLOCK if fp8 else Operands.BF16,
+                      Epilogue.COMBINE if combine else Epilogue.STORE)
 
 
 def signal_layout(
@@ -103,6 +99,7 @@ def grouped_gemm_nt_masked(
     dst_signals: Optional[torch.Tensor] = None,
     signal_granularity: str = "m_block",
     stream: Optional[torch.cuda.Stream] = None,
+    combine: Optional[Combine] = None,
 ):
     """``out[e, :m_e] = a[e, :m_e] @ b[e].T`` for every expert, m_e = clamp(masked_m[e], 0, max_m).
 
@@ -131,15 +128,28 @@ def grouped_gemm_nt_masked(
     is "m_block" or "expert". With signals the call returns ``(out, layout)``,
     the :class:`SignalLayout` used (the same ``signal_layout(...)`` gives
     before the launch); without, it returns ``out``.
+    combine: a :class:`Combine` (token_index, weight, output, err): instead of
+    storing ``out`` (pass None), the epilogue reduce-adds
+    ``weight[e, r] * bf16(row r of expert e)`` into ``output[token_index[e, r]]``
+    (fp32 [T, N]) for every valid row; returns ``(output, err)``, where ``err``
+    is the int32 error word (bit 2: a token index outside [0, T), that row
+    skipped). The adds land in no fixed order: the fp32 sums can differ in
+    their last bits from run to run.
     """
+    if torch.compiler.is_compiling():
+        return _as_custom_op(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config,
+                             dst_signals, stream, combine)
     if stream is not None:
         _check_stream(stream, a)
         with torch.cuda.stream(stream):
             return grouped_gemm_nt_masked(
                 a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, expected_m=expected_m,
                 num_sms=num_sms, config=config, dst_signals=dst_signals,
-                signal_granularity=signal_granularity,
+                signal_granularity=signal_granularity, combine=combine,
             )
+    if combine is not None:
+        return _combine_call(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config,
+                             dst_signals, signal_granularity, combine)
     try:
         # The launch plan for this signature: what the checks depend on that the
         # compiled function does not check itself. Its TVM-FFI wrapper refuses,
@@ -184,6 +194,52 @@ def grouped_gemm_nt_masked(
     return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals)
 
 
+def _as_custom_op(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals,
+                  stream, combine):
+    """The call as torch.compile sees it: a ``torch.ops.flashgemm`` op
+    (registered by ``torch_ops`` when the package is imported)."""
+    eager_only = {"config": config, "dst_signals": dst_signals, "stream": stream, "combine": combine}
+    given = [name for name, value in eager_only.items() if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} cannot be traced by torch.compile; call "
+                         "grouped_gemm_nt_masked outside the compiled region for them")
+    if out is None:
+        return torch.ops.flashgemm.grouped_gemm_nt_masked(a, b, masked_m, a_scale, b_scale, expected_m, num_sms)
+    torch.ops.flashgemm.grouped_gemm_nt_masked_out(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms)
+    return out
+
+
+def _combine_call(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals,
+                  signal_granularity, combine):
+    """``grouped_gemm_nt_masked`` with ``combine``: its own plans, keyed also
+    by the routing tensors; a missing error word is allocated zeroed."""
+    if isinstance(combine, Combine) and combine.err is None and isinstance(a, torch.Tensor):
+        combine = combine._replace(err=torch.zeros(1, dtype=torch.int32, device=a.device))
+    args = (a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals,
+            signal_granularity, combine)
+    try:
+        routing = tuple(combine)
+        key = ("combine", a.dtype, a.shape, a.stride(), a.get_device(), b.shape, b.stride(),
+               b.get_device(), masked_m.dtype, masked_m.get_device(), out is None, dst_signals is None,
+               None if a_scale is None else (a_scale.shape, a_scale.stride(), a_scale.get_device()),
+               None if b_scale is None else (b_scale.shape, b_scale.stride(), b_scale.get_device()),
+               tuple((t.dtype, t.shape, t.stride(), t.get_device()) for t in routing),
+               expected_m, type(expected_m), num_sms, type(num_sms), config)
+        plan = _PLANS.get(key)
+        if plan is not None and not plan.pointers_ok(a, b, masked_m, out, a_scale, b_scale, dst_signals,
+                                                     routing):
+            plan = None
+    except (AttributeError, TypeError):
+        key, plan = None, None
+    if plan is None:
+        plan = _make_plan(*args)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals, tuple(combine))
+
+
 def _check_stream(stream, a) -> None:
     if not isinstance(stream, torch.cuda.Stream):
         raise TypeError(f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}")
@@ -220,7 +276,7 @@ class _LaunchPlan:
         for name, value in kw.items():
             setattr(self, name, value)
 
-    def pointers_ok(self, a, b, masked_m, out, a_scale, b_scale, dst_signals) -> bool:
+    def pointers_ok(self, a, b, masked_m, out, a_scale, b_scale, dst_signals, routing=()) -> bool:
         """The address-dependent checks of ``validate_args`` (alignment, no
         aliasing of what the kernel writes); False sends the call through the
         full checks, which name the problem. Absent tensors are None, as when
@@ -237,6 +293,8 @@ class _LaunchPlan:
             ptrs.append(b_scale.data_ptr())
         if dst_signals is not None:
             ptrs.append(dst_signals.data_ptr())
+        for t in routing:
+            ptrs.append(t.data_ptr())
         if ptrs == self.last_ok:
             return True
         extents = self.extents
@@ -256,7 +314,12 @@ class _LaunchPlan:
         self.last_ok = ptrs
         return True
 
-    def launch(self, a, b, out, masked_m, a_scale, b_scale, dst_signals):
+    def launch(self, a, b, out, masked_m, a_scale, b_scale, dst_signals, routing=()):
+        if routing:
+            self.fn(a, b, None, masked_m, None, a_scale if not self.copy_a_scale else tma_ready_a_scale(a_scale),
+                    b_scale, None if self.counter_device is None else workspace.claim_counter(self.counter_device),
+                    *routing, self.num_ctas)
+            return routing[2], routing[3]
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=a.device)
         if self.copy_a_scale:
@@ -269,7 +332,7 @@ class _LaunchPlan:
         self.fn(
             a, b, out, masked_m, dst_signals, a_scale, b_scale,
             None if self.counter_device is None else workspace.claim_counter(self.counter_device),
-            self.num_ctas,
+            None, None, None, None, self.num_ctas,
         )
         return out if self.layout is None else (out, self.layout)
 
@@ -279,10 +342,15 @@ def _extent(t) -> int:
 
 
 def _make_plan(
-    a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals, signal_granularity
+    a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals, signal_granularity,
+    combine=None,
 ) -> _LaunchPlan:
     """Every check, in order; raises on bad input before anything launches."""
     e_count, max_m, n, k = validate_args(a, b, out, masked_m, a_scale, b_scale)
+    routing = ()
+    if combine is not None:
+        routing = check_combine(combine, out, dst_signals, e_count, max_m, n,
+                                {"a": a, "b": b, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale})
     fp8 = a.dtype == _FP8
     index = a.device.index if a.device.type == "cuda" else None
     if index is not None:
@@ -291,12 +359,14 @@ def _make_plan(
         capability, sm_count, name = (0, 0), 0, ""
     grid_cap = validate_device(
         {"a": a, "b": b, "out": out, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale,
-         "dst_signals": dst_signals},
+         "dst_signals": dst_signals, **dict(zip(COMBINE_FIELDS, routing))},
         num_sms, capability, sm_count, name,
     )
     config = _resolve_config(
-        config, expected_m, max_m, n, k, grid_cap, fp8, e_count, signals=dst_signals is not None
+        config, expected_m, max_m, n, k, grid_cap, fp8, e_count, signals=dst_signals is not None,
+        combine=combine is not None,
     )
+    epilogue = Epilogue.STORE if combine is None else Epilogue.COMBINE
     cn = config.cluster_n
     if grid_cap < cn:
         raise ValueError(f"config.cluster_n={cn} needs num_sms >= {cn}, got {grid_cap}")
@@ -322,7 +392,7 @@ def _make_plan(
     mode = layout.granularity if layout is not None else None
     d_dtype = out_dtype(a.dtype)
     copy_a_scale = fp8 and tma_ready_a_scale(a_scale, check_only=True)
-    fn = get_kernel(KernelSpec(config, Operands.FP8_BLOCK if fp8 else Operands.BF16, mode))
+    fn = get_kernel(KernelSpec(config, Operands.FP8_BLOCK if fp8 else Operands.BF16, mode, epilogue))
     if config.dynamic and index is not None:
         workspace.prepare_graph_counters(index)
     return _LaunchPlan(
@@ -334,20 +404,21 @@ def _make_plan(
         out_dtype=d_dtype,
         copy_a_scale=copy_a_scale,
         counter_device=index if config.dynamic else None,
-        **_pointer_rules((a, b, masked_m, out, a_scale, b_scale, dst_signals), copy_a_scale),
+        **_pointer_rules((a, b, masked_m, out, a_scale, b_scale, dst_signals, *routing), copy_a_scale),
     )
 
 
 def _pointer_rules(tensors, copy_a_scale: bool) -> dict:
-    """Which of (a, b, masked_m, out, a_scale, b_scale, dst_signals) are
-    present, which must be 16-byte aligned (TMA bases), which are written."""
+    """Which of (a, b, masked_m, out, a_scale, b_scale, dst_signals, and the
+    combine's token_index, weight, output, err) are present, which must be
+    16-byte aligned, which are written."""
     present = [i for i, t in enumerate(tensors) if t is not None]
     pos = {i: n for n, i in enumerate(present)}
-    aligned = [pos[i] for i in (0, 1, 3) if i in pos]
+    aligned = [pos[i] for i in (0, 1, 3, 9) if i in pos]  # TMA bases; the combine's 16-byte reductions
     if not copy_a_scale and 4 in pos:
         aligned.append(pos[4])
     return dict(
         aligned=tuple(aligned),
-        written=tuple(pos[i] for i in (3, 6) if i in pos),
+        written=tuple(pos[i] for i in (3, 6, 9, 10) if i in pos),
         extents=tuple(_extent(tensors[i]) for i in present),
     )

@@ -65,6 +65,13 @@ class Staging(enum.Enum):
     WHOLE_TILE = "whole_tile"  # every sub-tile; each warpgroup hands its rows over alone
 
 
+class Epilogue(enum.Enum):
+    """Where the finished tiles go."""
+
+    STORE = "store"  # bf16 rows out[e, :m_e]
+    COMBINE = "combine"  # weight * row reduce-added into its token's fp32 row of a [T, N] output
+
+
 SIGNAL_MODES = (None, "m_block", "expert")
 # Output staging: one bulk store per (tile_m x EPI_COLS) sub-tile.
 EPI_COLS = 32
@@ -245,12 +252,14 @@ class GemmConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
-    """One compiled kernel: a configuration, its operands and its signal mode
-    (None, "m_block" or "expert")."""
+    """One compiled kernel: a configuration, its operands, its signal mode
+    (None, "m_block" or "expert") and its epilogue."""
 
     config: GemmConfig
     operands: Operands
     signal_mode: Optional[str] = None
+    epilogue: Epilogue = Epilogue.STORE
 
     def name(self) -> str:
-        return f"{self.operands.value}-{self.config.short_name()}-{self.signal_mode or 'nosig'}"
+        tail = "combine" if self.epilogue is Epilogue.COMBINE else self.signal_mode or "nosig"
+        return f"{self.operands.value}-{self.config.short_name()}-{tail}"

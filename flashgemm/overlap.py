@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from .api import device_facts, grouped_gemm_nt_masked, signal_layout
+from .api import grouped_gemm_nt_masked, signal_layout
+from .jit.arch import device_facts
 from .signals import DEFAULT_ROWS_PER_ITEM, SignalLayout, alloc_signals, check_rows_per_item
 from .validation import _FP8, _byte_span, _check_tensor, out_dtype
 

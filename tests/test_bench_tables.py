@@ -1,4 +1,5 @@
-"""scripts/bench.py's DeepGEMM peer and the tables it feeds (CPU only)."""
+"""benchmarks/bench.py's DeepGEMM peer and the tables it feeds, and
+tools/sustained.py's summary (CPU only)."""
 
 import sys
 

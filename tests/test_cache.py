@@ -2,24 +2,28 @@
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
 
 import pytest
 
-from flashgemm import compile as fg_compile
-from flashgemm import diskcache
-from flashgemm.config import GemmConfig
+from flashgemm.config import GemmConfig, KernelSpec, Operands
+from flashgemm.jit import cache, diskcache, key
+from flashgemm.sm90 import build as sm90_build
+from flashgemm.sm90.heuristic import reachable_specs
 
-# a config no other test compiles, so every process here starts cold
-CFG = "GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=5)"
+# a kernel no other test compiles, so every process here starts cold
+SPEC = "KernelSpec(GemmConfig(tile_m=64, tile_n=64, stages=5), Operands.BF16)"
 CHILD = f"""
 import json, sys
-from flashgemm import compile as c, diskcache
-from flashgemm.config import GemmConfig
-c.get_kernel({CFG}, arch="sm_90a")
-print(json.dumps({{"compiles": c.compile_count, "loads": diskcache.load_count,
+from flashgemm.config import GemmConfig, KernelSpec, Operands
+from flashgemm.jit import cache, diskcache
+from flashgemm.sm90.build import get_kernel
+get_kernel({SPEC}, arch="sm_90a")
+print(json.dumps({{"compiles": cache.compile_count, "loads": diskcache.load_count,
                   "dsl_imported": "cutlass" in sys.modules}}))
 """
 
@@ -43,12 +47,27 @@ def _entries(cache_dir, ext):
     return [f for f in os.listdir(cache_dir) if f.endswith(ext)]
 
 
-def test_new_process_loads_instead_of_compiling(tmp_path):
-    assert _result(_child(tmp_path)) == {"compiles": 1, "loads": 0}
-    assert len(_entries(tmp_path, ".o")) == 1 and len(_entries(tmp_path, ".json")) == 1
+@pytest.fixture(scope="module")
+def built_entry(tmp_path_factory):
+    """(directory, result) of a fresh process that compiled SPEC into an
+    empty cache directory; tests work on copies of it."""
+    directory = tmp_path_factory.mktemp("built-entry")
+    return directory, _result(_child(directory), keep_dsl_flag=True)
+
+
+def _copy_of(built_entry, tmp_path):
+    shutil.copytree(built_entry[0], tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+def test_new_process_loads_instead_of_compiling(built_entry, tmp_path):
+    directory, first = built_entry
+    assert first == {"compiles": 1, "loads": 0, "dsl_imported": True}
+    assert len(_entries(directory, ".o")) == 1 and len(_entries(directory, ".json")) == 1
     # a C compiler is present here, so the entry has a shared library, which
     # loads through tvm_ffi alone: the CuTe DSL is never imported
-    assert len(_entries(tmp_path, ".so")) == 1
+    assert len(_entries(directory, ".so")) == 1
+    tmp_path = _copy_of(built_entry, tmp_path)
     assert _result(_child(tmp_path), keep_dsl_flag=True) == {"compiles": 0, "loads": 1, "dsl_imported": False}
 
 
@@ -59,8 +78,8 @@ def test_without_a_c_compiler_the_object_file_is_loaded(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "drop-object", "foreign-key", "garbage-so"])
-def test_corrupt_entry_is_rebuilt_not_loaded(tmp_path, damage):
-    _result(_child(tmp_path))
+def test_corrupt_entry_is_rebuilt_not_loaded(built_entry, tmp_path, damage):
+    tmp_path = _copy_of(built_entry, tmp_path)
     obj = tmp_path / _entries(tmp_path, ".o")[0]
     meta = tmp_path / _entries(tmp_path, ".json")[0]
     if damage == "truncate":
@@ -92,6 +111,30 @@ def test_disabled_disk_cache_writes_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("value", ["0", "false", "No", "OFF"])
+def test_cache_switch_turns_the_disk_level_off(monkeypatch, tmp_path, value):
+    monkeypatch.setenv("FLASHGEMM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FLASHGEMM_CACHE", value)
+    assert diskcache.cache_dir() is None
+    calls = []
+    assert diskcache.get_or_build(("k", value), lambda: calls.append(1) or "fn") == "fn"
+    assert calls == [1] and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("value", ["1", None])
+def test_cache_switch_on_or_unset_keeps_the_disk_level(monkeypatch, tmp_path, value):
+    monkeypatch.setenv("FLASHGEMM_CACHE_DIR", str(tmp_path))
+    if value is None:
+        monkeypatch.delenv("FLASHGEMM_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("FLASHGEMM_CACHE", value)
+    assert diskcache.cache_dir() == str(tmp_path)
+    # and without FLASHGEMM_CACHE_DIR: the user cache directory
+    monkeypatch.delenv("FLASHGEMM_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert diskcache.cache_dir() == os.path.join(str(tmp_path / "xdg"), "flashgemm")
+
+
 def test_unwritable_directory_falls_back_with_one_warning(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -105,75 +148,111 @@ def test_unwritable_directory_falls_back_with_one_warning(tmp_path, monkeypatch)
 
 def test_two_threads_compile_a_new_key_once(monkeypatch):
     monkeypatch.setenv("FLASHGEMM_CACHE", "0")
-    cfg = GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=6)
-    before = fg_compile.compile_count
+    spec = KernelSpec(GemmConfig(tile_m=64, tile_n=64, stages=6), Operands.BF16)
+    before = cache.compile_count
     got = []
-    threads = [threading.Thread(target=lambda: got.append(fg_compile.get_kernel(cfg, arch="sm_90a")))
+    threads = [threading.Thread(target=lambda: got.append(sm90_build.get_kernel(spec, arch="sm_90a")))
                for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert fg_compile.compile_count == before + 1
-    assert got[0] is got[1]
+    assert cache.compile_count == before + 1
+    assert len(got) == 2 and got[0] is got[1]
 
 
 def test_key_covers_everything_that_changes_code(monkeypatch):
-    cfg = GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1)
-    key = fg_compile.cache_key(cfg, "bf16", "bf16", "sm_90a", None)
-    assert key == fg_compile.cache_key(GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1), "bf16", "bf16", "sm_90a", None)
+    cfg = GemmConfig(tile_m=64, tile_n=128)
+    spec = KernelSpec(cfg, Operands.BF16)
+    k = key.cache_key("sm_90a", spec)
+    assert k == key.cache_key("sm_90a", KernelSpec(GemmConfig(tile_m=64, tile_n=128), Operands.BF16, None))
     others = [
-        fg_compile.cache_key(GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, stages=4), "bf16", "bf16", "sm_90a", None),
-        fg_compile.cache_key(cfg, "fp16", "fp16", "sm_90a", None),
-        fg_compile.cache_key(cfg, "bf16", "bf16", "sm_100a", None),
-        fg_compile.cache_key(cfg, "bf16", "bf16", "sm_90a", "m_block"),
+        key.cache_key("sm_90a", KernelSpec(cfg.replace(stages=4), Operands.BF16)),
+        key.cache_key("sm_90a", KernelSpec(cfg, Operands.FP8_BLOCK)),
+        key.cache_key("sm_100a", spec),
+        key.cache_key("sm_90a", KernelSpec(cfg, Operands.BF16, "m_block")),
+        key.cache_key("sm_90a", KernelSpec(cfg, Operands.BF16, "expert")),
+        sm90_build.combine_key("sm_90a", 64, 4),
+        sm90_build.combine_key("sm_90a", 128, 4),
+        sm90_build.combine_key("sm_90a", 64, 8),
     ]
-    real = fg_compile._versions()
+    real = key.versions()
     for versions in [("9.9.9", *real[1:]), (real[0], "0.0.1", real[2]), (*real[:2], "0" * 16)]:
-        monkeypatch.setattr(fg_compile, "_versions", lambda v=versions: v)
-        others.append(fg_compile.cache_key(cfg, "bf16", "bf16", "sm_90a", None))
-    digests = {diskcache._digest(k) for k in [key, *others]}
+        monkeypatch.setattr(key, "versions", lambda v=versions: v)
+        others.append(key.cache_key("sm_90a", spec))
+    digests = {diskcache._digest(x) for x in [k, *others]}
     assert len(digests) == 1 + len(others)
 
 
-def test_cli_fills_a_cache_a_new_process_uses(tmp_path):
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
-    res = subprocess.run([sys.executable, "-m", "flashgemm", "compile", "--arch", "sm_90a", "--cache-dir", str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=900)
+def test_cli_fills_a_cache_a_new_process_uses(cli_filled_cache):
+    """``python -m flashgemm compile --cache-dir DIR`` stores every kernel
+    the package can launch (each reachable spec, one combine per signalled
+    tile_m, the MoE activations); a new process then loads any of them with
+    no compile."""
+    res, cache_dir = cli_filled_cache
     assert res.returncode == 0, res.stderr[-2000:]
+    specs = reachable_specs()
+    block_ms = sm90_build.combine_block_ms(specs)
+    # and the two MoE activation kernels
+    assert re.search(rf"^{len(specs) + len(block_ms) + 2} kernels for sm_90a in ", res.stdout, re.M), res.stdout
     script = """
 import json
-from flashgemm import compile as c, diskcache
-from flashgemm.config import FP8_HEURISTIC_CONFIGS, HEURISTIC_CONFIGS
-for cfg in HEURISTIC_CONFIGS + FP8_HEURISTIC_CONFIGS:
-    for mode in c.signal_modes_of(cfg):
-        c.get_kernel(cfg, c.operand_dtype(cfg), arch="sm_90a", signal_mode=mode)
-print(json.dumps({"compiles": c.compile_count, "loads": diskcache.load_count}))
+from flashgemm.jit import cache, diskcache
+from flashgemm.signals import DEFAULT_ROWS_PER_ITEM
+from flashgemm.sm90.build import combine_block_ms, get_combine_kernel, get_kernel
+from flashgemm.sm90.heuristic import reachable_specs
+for spec in reachable_specs():
+    get_kernel(spec, arch="sm_90a")
+for block_m in combine_block_ms(reachable_specs()):
+    get_combine_kernel(block_m, DEFAULT_ROWS_PER_ITEM, arch="sm_90a")
+from flashgemm.moe.activation import get_kernel as get_activation
+for fp8 in (True, False):
+    get_activation(fp8, arch="sm_90a")
+print(json.dumps({"compiles": cache.compile_count, "loads": diskcache.load_count}))
 """
-    out = subprocess.run([sys.executable, "-c", script], env=dict(env, FLASHGEMM_CACHE_DIR=str(tmp_path)),
-                         capture_output=True, text=True, timeout=900)
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASHGEMM_CACHE_DIR=cache_dir)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    from flashgemm.config import FP8_HEURISTIC_CONFIGS, HEURISTIC_CONFIGS
-
-    configs = HEURISTIC_CONFIGS + FP8_HEURISTIC_CONFIGS
-    split = sum(c.split_last_round for c in configs)
-    # the prefill tiles (bf16; fp8 192 and 128 wide), clusters of 2 and 1: no signal builds
-    assert split == 6
-    assert got == {"compiles": 0, "loads": 3 * len(configs) - 2 * split}
+    # the prefill tiles (bf16; fp8 192 and 128 wide), clusters of 2 and 1,
+    # run their last round split: no signal builds of them
+    split = {(s.config, s.operands) for s in specs if s.config.tail.name == "SPLIT" and s.epilogue.name == "STORE"}
+    assert len(split) == 6
+    assert not any(s.signal_mode for s in specs if (s.config, s.operands) in split)
+    assert got == {"compiles": 0, "loads": len(specs) + len(block_ms) + 2}
+    assert len(specs) == 104 and block_ms == [64, 128, 192]
 
 
 def test_source_digest_follows_the_code(tmp_path):
-    """An edited kernel source with an unchanged version is a different key."""
-    pkg = os.path.dirname(fg_compile.__file__)
-    for name in ("kernel.py", "mainloop.py"):
-        (tmp_path / name).write_bytes(open(os.path.join(pkg, name), "rb").read())
-    (tmp_path / "notes.txt").write_text("not code")
-    before = fg_compile.source_digest(str(tmp_path))
-    assert before == fg_compile.source_digest(str(tmp_path))
-    (tmp_path / "notes.txt").write_text("still not code")
-    assert fg_compile.source_digest(str(tmp_path)) == before
-    with open(tmp_path / "mainloop.py", "a") as f:
+    """An edited source with an unchanged version is a different key, in the
+    package's top level and in its subpackages alike."""
+    import flashgemm
+
+    pkg = os.path.dirname(os.path.abspath(flashgemm.__file__))
+    copy = tmp_path / "flashgemm"
+    shutil.copytree(pkg, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "notes.txt").write_text("not code")
+    before = key.source_digest(str(copy))
+    assert before == key.source_digest(str(copy))
+    # the copy digests like the package itself (relative paths, same bytes)
+    assert before == key.source_digest()
+    (copy / "notes.txt").write_text("still not code")
+    (copy / "sm90" / "__pycache__").mkdir()
+    (copy / "sm90" / "__pycache__" / "limits.cpython-312.pyc").write_bytes(b"not source")
+    assert key.source_digest(str(copy)) == before
+    # a file of a subpackage
+    limits = copy / "sm90" / "limits.py"
+    original = limits.read_bytes()
+    limits.write_bytes(original + b"\n# edited\n")
+    edited = key.source_digest(str(copy))
+    assert edited != before
+    limits.write_bytes(original)
+    assert key.source_digest(str(copy)) == before
+    # a new module in a subpackage, and an edit at the top level
+    (copy / "schedule" / "extra.py").write_text("X = 1\n")
+    assert key.source_digest(str(copy)) not in (before, edited)
+    (copy / "schedule" / "extra.py").unlink()
+    with open(copy / "config.py", "a") as f:
         f.write("\n# edited\n")
-    assert fg_compile.source_digest(str(tmp_path)) != before
-    assert fg_compile._versions()[2] == fg_compile.source_digest()
+    assert key.source_digest(str(copy)) not in (before, edited)
+    assert key.versions()[2] == key.source_digest()

@@ -1,25 +1,46 @@
 """Compile-only tests: the real sm_90a build, no GPU needed (runs in CI)."""
 
-import dataclasses
 import re
-import subprocess
-import sys
 
 import pytest
 
-from flashgemm import compile as fg_compile
 from flashgemm.__main__ import ptx_features
-from flashgemm.config import FP8_HEURISTIC_CONFIGS, HEURISTIC_CONFIGS, SM90_SMEM_BYTES
+from flashgemm.config import Epilogue, GemmConfig, KernelSpec, Operands, Promotion, Staging, Tail, TileOrder
+from flashgemm.jit import cache
+from flashgemm.jit.key import cache_key
+from flashgemm.sm90 import barriers
+from flashgemm.sm90 import build as sm90_build
+from flashgemm.sm90.heuristic import (
+    DECODE_128_CONFIG,
+    DECODE_CONFIG,
+    FP8_DECODE_N64_CONFIG,
+    MID_192_N128_CONFIG,
+    reachable_specs,
+)
+from flashgemm.sm90.limits import SMEM_BYTES, check_config, epi_bytes, resolved_stages, smem_bytes
+
+BF16, FP8 = Operands.BF16, Operands.FP8_BLOCK
+# every configuration the heuristic can pick, once each (their signalled
+# builds are listed by the CLI test below)
+BF16_CONFIGS = tuple(dict.fromkeys(s.config for s in reachable_specs(BF16)))
+FP8_CONFIGS = tuple(dict.fromkeys(s.config for s in reachable_specs(FP8)))
 
 
 @pytest.fixture(scope="module")
-def ptx_by_config():
-    return {cfg: fg_compile.build(cfg, arch="sm_90a", keep_ptx=True).__ptx__ for cfg in HEURISTIC_CONFIGS}
+def ptx(kernel_ptx):
+    """``ptx(config, operands, signal_mode=None)``: the PTX of that kernel,
+    each one built once per session (by the listing run when it runs:
+    conftest.kernel_ptx)."""
+
+    def get(config, operands=BF16, signal_mode=None):
+        return kernel_ptx(KernelSpec(config, operands, signal_mode))
+
+    return get
 
 
-@pytest.mark.parametrize("cfg", HEURISTIC_CONFIGS, ids=lambda c: c.short_name())
-def test_ptx_has_hopper_features(ptx_by_config, cfg):
-    ptx = ptx_by_config[cfg]
+@pytest.mark.parametrize("cfg", BF16_CONFIGS, ids=lambda c: c.short_name())
+def test_ptx_has_hopper_features(ptx, cfg):
+    ptx = ptx(cfg)
     # bf16 wgmma with the tile's N, fp32 accumulate
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.tile_n}k16\.f32\.bf16\.bf16", ptx)
     # 3D TMA loads completing on an mbarrier, 3D TMA stores in bulk groups
@@ -51,15 +72,13 @@ def _check_a_loads(ptx, cfg, fp8):
 
 
 def test_a_chunk_rows_rules():
-    from flashgemm.config import GemmConfig
-
-    for bad, cfg in ((8, GemmConfig()), (48, GemmConfig()), (64, GemmConfig(tile_m=192, consumer_warpgroups=3, cluster_n=2))):
+    for bad, cfg in ((8, GemmConfig()), (48, GemmConfig()), (64, GemmConfig(tile_m=192, cluster_n=2))):
         with pytest.raises(ValueError, match=r"config\.a_chunk_rows must be 0, or 16, 32 or 64"):
-            dataclasses.replace(cfg, a_chunk_rows=bad).validate()
+            check_config(cfg.replace(a_chunk_rows=bad), BF16)
     # a 128-row tile of a 2-CTA cluster: 64-row chunks, one per CTA, are fine
-    GemmConfig(cluster_n=2, a_chunk_rows=64).validate()
+    check_config(GemmConfig(cluster_n=2, a_chunk_rows=64), BF16)
     # the heuristic skips the chunks past m_e up to expected_m 256, not in prefill
-    from flashgemm.config import choose_config
+    from flashgemm.sm90.heuristic import choose_config
 
     for fp8 in (False, True):
         for signals in (False, True):
@@ -70,42 +89,35 @@ def test_a_chunk_rows_rules():
 
 def _check_balance_ptx(ptx, cfg):
     reductions = re.findall(r"redux\.sync\.add\.s32", ptx)
-    barrier_3 = bool(re.search(r"bar(rier)?\.sync(\.aligned)?\s+3,", ptx))
+    balance_barrier = bool(re.search(rf"bar(rier)?\.sync(\.aligned)?\s+{barriers.BALANCE},", ptx))
     ballots = re.findall(r"vote\.sync\.ballot\.b32", ptx)
     if cfg.n_major:
         # each role (producer, store warp, consumers) counts the m-blocks
         # with one warp reduction, finds its tiles with a warp scan and a
-        # ballot, and cuts its own grid: no barrier 3
-        assert len(reductions) == 3 and not barrier_3
+        # ballot, and cuts its own grid: no balance barrier
+        assert len(reductions) == 3 and not balance_barrier
         assert ballots and re.search(r"shfl\.sync\.up\.b32", ptx)
         # with n_major_window, one more ballot per search finds the window
         assert len(ballots) == (12 if cfg.n_major_window else 6)
         return
-    if cfg.split_last_round:
+    if cfg.tail is Tail.SPLIT:
         # each role counts the units itself (one warp reduction) to find the
-        # last round; no barrier 3, no scan
-        assert len(reductions) == 3 and not barrier_3 and not ballots
+        # last round; no balance barrier, no scan
+        assert len(reductions) == 3 and not balance_barrier and not ballots
         return
-    # balance_rounds: one warp (the producer) counts the units with a warp
-    # reduction and hands the result over on named barrier 3
-    assert len(reductions) == (1 if cfg.balance_rounds else 0)
-    assert barrier_3 == cfg.balance_rounds
+    # Tail.BALANCE: one warp (the producer) counts the units with a warp
+    # reduction and hands the result over on named barrier barriers.BALANCE
+    balanced = cfg.tail is Tail.BALANCE
+    assert len(reductions) == (1 if balanced else 0)
+    assert balance_barrier == balanced
     assert not ballots
 
 
-@pytest.fixture(scope="module")
-def fp8_ptx_by_config():
-    return {
-        cfg: fg_compile.build(cfg, "fp8e4m3", arch="sm_90a", keep_ptx=True).__ptx__
-        for cfg in FP8_HEURISTIC_CONFIGS
-    }
-
-
-@pytest.mark.parametrize("cfg", FP8_HEURISTIC_CONFIGS, ids=lambda c: c.short_name())
-def test_fp8_ptx(fp8_ptx_by_config, cfg):
-    ptx = fp8_ptx_by_config[cfg]
+@pytest.mark.parametrize("cfg", FP8_CONFIGS, ids=lambda c: c.short_name())
+def test_fp8_ptx(ptx, cfg):
+    ptx = ptx(cfg, FP8)
     # fp8 e4m3 wgmma, k32 per instruction, fp32 accumulate
-    # (promote_parts: one chain per part of the tile's width)
+    # (Promotion.TWO_PARTS: one chain per part of the tile's width)
     part_n = cfg.tile_n // cfg.promote_parts
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{part_n}k32\.f32\.e4m3\.e4m3", ptx)
     assert "bf16" not in re.findall(r"wgmma\.mma_async\S*", ptx)[0]
@@ -122,11 +134,13 @@ def test_fp8_ptx(fp8_ptx_by_config, cfg):
         # is picked per row half (2 selects), not per value (48, which made
         # the prefill tile 1.3-1.5x slower)
         assert len(re.findall(r"selp\.f32", ptx)) <= 4
-    # promote_overlap: the next k-tile's chain is committed before this one's
-    # is waited for (wait_group 1); one product set waits for everything,
-    # in promote_parts steps (the parts after the one promoted still pending)
+    # Promotion.OVERLAPPED: the next k-tile's chain is committed before this
+    # one's is waited for (wait_group 1); one product set waits for
+    # everything, in promote_parts steps (the parts after the one promoted
+    # still pending)
     waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx))
-    assert waits == ({"0", "1"} if cfg.promote_overlap else {str(p) for p in range(cfg.promote_parts)})
+    overlapped = cfg.promotion is Promotion.OVERLAPPED
+    assert waits == ({"0", "1"} if overlapped else {str(p) for p in range(cfg.promote_parts)})
     # the weight scales ride in the slot: after arming the slot's full barrier
     # and issuing its TMA loads, the producer copies them from global to
     # shared memory with 4-byte cp.async, whose completion is the barrier's
@@ -148,130 +162,144 @@ def test_fp8_ptx(fp8_ptx_by_config, cfg):
     _check_a_loads(ptx, cfg, fp8=True)
 
 
-@pytest.mark.parametrize(
-    "cfg, dtype",
-    [
-        (next(c for c in HEURISTIC_CONFIGS if c.tile_n == 256), "bf16"),  # 8 sub-tiles
-        (next(c for c in FP8_HEURISTIC_CONFIGS if c.tile_n == 192), "fp8e4m3"),  # 6 sub-tiles
-    ],
-    ids=["bf16-n256", "fp8-n192"],
-)
-def test_epi_whole_tile_staging(cfg, dtype):
-    """With epi_whole_tile the staging area holds every sub-tile (fewer stages
-    fit) and each consumer warpgroup hands its rows to the store warp on its
-    own pair of named barriers (epilogue.WarpgroupHandoff): the store warp
-    arrives at each *free* barrier (ids 4..) after waiting for that
-    warpgroup's bulk group to have read its rows, and waits at each *staged*
-    one before storing them, one box of 64 rows per warpgroup and sub-tile;
-    the consumers wait at *free* only and arrive at *staged*. The two-buffer
-    staging crosses named barrier 1 twice per sub-tile instead."""
+STAGING_CASES = [
+    (next(c for c in BF16_CONFIGS if c.tile_n == 256), BF16),  # 8 sub-tiles
+    (next(c for c in FP8_CONFIGS if c.tile_n == 192), FP8),  # 6 sub-tiles
+]
+
+
+@pytest.mark.parametrize("cfg, operands", STAGING_CASES, ids=["bf16-n256", "fp8-n192"])
+def test_epi_whole_tile_staging(ptx, cfg, operands):
+    """With Staging.WHOLE_TILE the staging area holds every sub-tile (fewer
+    stages fit) and each consumer warpgroup hands its rows to the store warp
+    on its own pair of named barriers (barriers.WarpgroupHandoff): the store
+    warp arrives at each *free* barrier (ids HANDOFF_FIRST..) after waiting
+    for that warpgroup's bulk group to have read its rows, and waits at each
+    *staged* one before storing them, one box of 64 rows per warpgroup and
+    sub-tile; the consumers wait at *free* only and arrive at *staged*. The
+    two-buffer staging (Staging.PAIR) crosses named barrier EPILOGUE twice
+    per sub-tile instead."""
     sub_tiles = cfg.tile_n // 32
     wgs = cfg.consumer_warpgroups
-    cfgs = {whole: dataclasses.replace(cfg, epi_whole_tile=whole) for whole in (False, True)}
-    ptx = {whole: fg_compile.build(c, dtype, arch="sm_90a", keep_ptx=True).__ptx__ for whole, c in cfgs.items()}
+    cfgs = {whole: cfg.replace(staging=Staging.WHOLE_TILE if whole else Staging.PAIR) for whole in (False, True)}
+    text = {whole: ptx(c, operands) for whole, c in cfgs.items()}
 
     def bars(text, op, threads):
         return re.findall(rf"\bbar\.{op}\s+(\S+), {threads};", text)
 
     stores = r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.tile\.bulk_group"
-    two, whole = ptx[False], ptx[True]
+    two, whole = text[False], text[True]
     assert len(re.findall(stores, two)) == sub_tiles
     assert len(re.findall(r"cp\.async\.bulk\.wait_group\.read", two)) == sub_tiles
     # two crossings per sub-tile, written once on each side
     assert len(bars(two, "sync", 128 * wgs + 32)) == 4 * sub_tiles and not bars(two, "arrive", 160)
+    assert set(bars(two, "sync", 128 * wgs + 32)) == {str(barriers.EPILOGUE)}
 
     assert len(re.findall(stores, whole)) == wgs * sub_tiles
     read_waits = re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", whole)
     assert sorted(read_waits) == [str(i) for i in range(wgs)]
-    free_ids = [str(4 + w) for w in range(wgs)]
-    staged_ids = [str(4 + wgs + w) for w in range(wgs)]
+    free_ids = [str(barriers.HANDOFF_FIRST + w) for w in range(wgs)]
+    staged_ids = [str(barriers.HANDOFF_FIRST + wgs + w) for w in range(wgs)]
+    assert barriers.HANDOFF_FIRST == 4
     # store warp (constant ids), consumers (their warpgroup's id, in a register)
     assert sorted(i for i in bars(whole, "arrive", 160) if i[0] != "%") == free_ids
     assert sorted(i for i in bars(whole, "sync", 160) if i[0] != "%") == staged_ids
     assert [i for i in bars(whole, "sync", 160) if i[0] == "%"]  # consumers wait at free
     assert [i for i in bars(whole, "arrive", 160) if i[0] == "%"]  # and arrive at staged
-    assert not bars(whole, "sync", 128 * wgs + 32)  # barrier 1 unused
+    assert not bars(whole, "sync", 128 * wgs + 32)  # barrier EPILOGUE unused
 
-    elem = 1 if dtype == "fp8e4m3" else 2
-    assert cfgs[True].epi_bytes() == cfg.tile_m * cfg.tile_n * 2
-    assert cfgs[True].smem_bytes(elem) <= SM90_SMEM_BYTES
-    assert cfgs[True].resolved_stages(elem) < cfgs[False].resolved_stages(elem)
+    assert epi_bytes(cfgs[True]) == cfg.tile_m * cfg.tile_n * 2
+    assert smem_bytes(cfgs[True], operands) <= SMEM_BYTES
+    assert resolved_stages(cfgs[True], operands) < resolved_stages(cfgs[False], operands)
 
 
 def test_fp8_config_rules():
-    from flashgemm.config import GemmConfig
-
-    with pytest.raises(ValueError, match="tile_k must be 128 for 8-bit"):
-        GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1).validate(1)
-    with pytest.raises(ValueError, match="tile_k must be 64 for 16-bit"):
-        GemmConfig(tile_m=64, tile_n=128, tile_k=128, consumer_warpgroups=1).validate(2)
+    # (tile_k is no field any more: Operands.tile_k derives it, so no config
+    # can hold a K depth that does not match its operands)
     with pytest.raises(ValueError, match="<= 192 for fp8"):
-        GemmConfig(tile_m=64, tile_n=256, tile_k=128, consumer_warpgroups=1).validate(1)
-    with pytest.raises(ValueError, match="promote_overlap applies to block-scaled fp8"):
-        GemmConfig(promote_overlap=True).validate(2)
-    with pytest.raises(ValueError, match="tile_n must be <= 128 with promote_overlap"):
-        GemmConfig(tile_n=192, tile_k=128, promote_overlap=True).validate(1)
-    for bad in (
-        dict(promote_parts=2, promote_overlap=True),  # two product sets already overlap
-        dict(promote_parts=5),
-        dict(tile_n=64, promote_parts=3),  # parts must be whole 8-column groups
-    ):
-        with pytest.raises(ValueError, match="promote_parts"):
-            GemmConfig(**{"tile_k": 128, **bad}).validate(1)
-    with pytest.raises(ValueError, match="promote_parts"):
-        GemmConfig(promote_parts=2).validate(2)  # bf16
-    for cfg in FP8_HEURISTIC_CONFIGS:
-        assert cfg.validate(1) is cfg and fg_compile.operand_dtype(cfg) == "fp8e4m3"
+        check_config(GemmConfig(tile_m=64, tile_n=256), FP8)
+    check_config(GemmConfig(tile_m=64, tile_n=256), BF16)  # bf16 may
+    with pytest.raises(ValueError, match="promotion=OVERLAPPED applies to block-scaled fp8 operands only"):
+        check_config(GemmConfig(promotion=Promotion.OVERLAPPED), BF16)
+    with pytest.raises(ValueError, match="tile_n must be <= 128 with promotion=OVERLAPPED"):
+        check_config(GemmConfig(tile_n=192, promotion=Promotion.OVERLAPPED), FP8)
+    with pytest.raises(ValueError, match="promotion=TWO_PARTS applies to block-scaled fp8"):
+        check_config(GemmConfig(promotion=Promotion.TWO_PARTS), BF16)  # bf16
+    check_config(GemmConfig(tile_n=192, promotion=Promotion.TWO_PARTS), FP8)
+    with pytest.raises(ValueError, match=r"config\.promotion must be a flashgemm\.Promotion"):
+        check_config(GemmConfig(promotion=2), FP8)
+    for spec in reachable_specs(FP8):
+        assert check_config(spec.config, FP8) is spec.config and spec.operands is FP8
 
 
 def test_balance_rounds_is_static_order_only():
-    from flashgemm.config import GemmConfig
-
-    with pytest.raises(ValueError, match="balance_rounds applies to the static order"):
-        GemmConfig(dynamic=True, balance_rounds=True).validate()
+    with pytest.raises(ValueError, match="config.tail=BALANCE applies to the static orders"):
+        check_config(GemmConfig(order=TileOrder.DYNAMIC, tail=Tail.BALANCE), BF16)
     # the heuristic balances its 128x128 tiles (bf16 and fp8) and the fp8
     # 128x192 prefill tile when signals keep it from splitting its last round
-    for cfg in HEURISTIC_CONFIGS + FP8_HEURISTIC_CONFIGS:
-        fp8_prefill = cfg.tile_k == 128 and cfg.tile_n == 192
-        want = cfg.tile_m == 128 and (cfg.tile_n == 128 or fp8_prefill) and not cfg.split_last_round
-        assert cfg.balance_rounds == want, cfg.short_name()
+    for spec in reachable_specs():
+        cfg = spec.config
+        fp8_prefill = spec.operands is FP8 and cfg.tile_n == 192
+        want = cfg.tile_m == 128 and (cfg.tile_n == 128 or fp8_prefill) and cfg.tail is not Tail.SPLIT
+        assert (cfg.tail is Tail.BALANCE) == want, spec.name()
 
 
 def test_cache_compiles_once_per_key():
-    cfg = HEURISTIC_CONFIGS[0]
-    fn = fg_compile.get_kernel(cfg, arch="sm_90a")
-    before = fg_compile.compile_count
-    assert fg_compile.get_kernel(cfg, arch="sm_90a") is fn
-    assert fg_compile.compile_count == before
-    key = fg_compile.cache_key(cfg, "bf16", "bf16", "sm_90a")
-    assert key != fg_compile.cache_key(HEURISTIC_CONFIGS[1], "bf16", "bf16", "sm_90a")
-    assert key != fg_compile.cache_key(cfg, "fp16", "fp16", "sm_90a")
-    assert key != fg_compile.cache_key(cfg, "bf16", "bf16", "sm_100a")
+    spec = reachable_specs(BF16)[0]
+    fn = sm90_build.get_kernel(spec, arch="sm_90a")
+    before = cache.compile_count
+    assert sm90_build.get_kernel(spec, arch="sm_90a") is fn
+    assert cache.compile_count == before
+    key = cache_key("sm_90a", spec)
+    assert key != cache_key("sm_90a", reachable_specs(BF16)[1])
+    assert key != cache_key("sm_90a", KernelSpec(spec.config, FP8, spec.signal_mode))
+    assert key != cache_key("sm_90a", KernelSpec(spec.config, BF16, "m_block"))
+    assert key != cache_key("sm_100a", spec)
 
 
 def test_unsupported_config_rejected_before_compiling():
-    from flashgemm.config import GemmConfig
-
-    before = fg_compile.compile_count
+    before = cache.compile_count
     with pytest.raises(ValueError, match="cluster"):
-        fg_compile.build(GemmConfig(cluster_m=2), arch="sm_90a")
+        sm90_build.build(KernelSpec(GemmConfig(cluster_n=4), BF16), arch="sm_90a")
     with pytest.raises(ValueError, match="stages"):
-        fg_compile.build(GemmConfig(tile_m=128, tile_n=256, stages=9), arch="sm_90a")
-    assert fg_compile.compile_count == before
+        sm90_build.build(KernelSpec(GemmConfig(tile_m=128, tile_n=256, stages=9), BF16), arch="sm_90a")
+    with pytest.raises(ValueError, match="promotion=OVERLAPPED"):
+        sm90_build.build(KernelSpec(GemmConfig(promotion=Promotion.OVERLAPPED), BF16), arch="sm_90a")
+    assert cache.compile_count == before
 
 
-def test_cli_compile_lists_every_config():
-    res = subprocess.run(
-        [sys.executable, "-m", "flashgemm", "compile", "--arch", "sm_90a"],
-        capture_output=True, text=True, timeout=600,
-    )
+_LINE = re.compile(r"^\s*\[\s*(\d+)/(\d+)\]\s+(\S+)\s+[\d.]+ s\s+PTX: (.*)$")
+
+
+def test_cli_compile_lists_every_kernel(cli_compile_listing):
+    """``python -m flashgemm compile --arch sm_90a``: one line per reachable
+    spec, then one per combine and per MoE activation, each with its PTX
+    features; exit 0."""
+    res = cli_compile_listing
     assert res.returncode == 0, res.stderr[-2000:]
-    for cfg in HEURISTIC_CONFIGS:
-        line = next(l for l in res.stdout.splitlines() if cfg.short_name() in l and "bf16" in l)
-        assert "wgmma" in line and "tma-load" in line and "fp8-wgmma" not in line
-    for cfg in FP8_HEURISTIC_CONFIGS:
-        line = next(l for l in res.stdout.splitlines() if cfg.short_name() in l and "fp8e4m3" in l)
-        assert "fp8-wgmma" in line and "tma-load" in line
+    lines = {}
+    for line in res.stdout.splitlines():
+        m = _LINE.match(line)
+        if m:
+            lines[m.group(3)] = (int(m.group(1)), int(m.group(2)), set(m.group(4).split(", ")))
+    specs = reachable_specs()
+    block_ms = sm90_build.combine_block_ms(specs)
+    total = len(specs) + len(block_ms) + 2  # and the MoE activations
+    assert len(lines) == total and sorted(i for i, _, _ in lines.values()) == list(range(1, total + 1))
+    assert {t for _, t, _ in lines.values()} == {total}
+    for spec in specs:
+        _, _, feats = lines[spec.name()]
+        assert "wgmma" in feats and "tma-load" in feats, spec.name()
+        assert ("fp8-wgmma" in feats) == (spec.operands is FP8), spec.name()
+        # a signalled kernel publishes: bulk stores complete, proxy fence, release add
+        assert ("signal-publish" in feats) == (spec.signal_mode is not None), spec.name()
+        # the fused combine reduces its rows into the token rows and stores none
+        fused = spec.epilogue is Epilogue.COMBINE
+        assert ("combine-reduce" in feats) == fused and ("tma-store" in feats) != fused, spec.name()
+    assert "fp8-cvt" in lines["moe-silu_mul-fp8"][2] and "fp8-cvt" not in lines["moe-silu_mul-bf16"][2]
+    for block_m in block_ms:
+        _, _, feats = lines[f"combine-block_m{block_m}-rows4"]
+        assert "bulk-reduce" in feats and "acquire-poll" in feats
 
 
 # Global-memory instructions of the GEMM kernel (loads, stores, TMA, the
@@ -279,65 +307,120 @@ def test_cli_compile_lists_every_config():
 _GLOBAL_ACCESS = r"\b(ld\.global|st\.global|cp\.async\.bulk\.tensor|red\.release|atom\.)"
 
 
-@pytest.mark.parametrize(
-    "cfg, dtype, mode",
-    [
-        (HEURISTIC_CONFIGS[0], "bf16", None),
-        (HEURISTIC_CONFIGS[3], "bf16", "m_block"),
-        (FP8_HEURISTIC_CONFIGS[1], "fp8e4m3", "expert"),
-    ],
-    ids=["bf16", "bf16-signals", "fp8-signals"],
-)
-def test_pdl_waits_before_any_global_access(cfg, dtype, mode):
+PDL_CASES = [
+    (DECODE_CONFIG, BF16, None),
+    (MID_192_N128_CONFIG, BF16, "m_block"),
+    (FP8_DECODE_N64_CONFIG, FP8, "expert"),
+]
+
+
+@pytest.mark.parametrize("cfg, operands, mode", PDL_CASES, ids=["bf16", "bf16-signals", "fp8-signals"])
+def test_pdl_waits_before_any_global_access(ptx, cfg, operands, mode):
     """With programmatic dependent launch (the default) the kernel may start
     while its predecessor still runs: its one griddepcontrol.wait must come
     before the first global access in the code, and it lets dependents launch
     once (after its loads). Without PDL neither instruction is emitted."""
-    ptx = fg_compile.build(cfg, dtype, arch="sm_90a", keep_ptx=True, signal_mode=mode).__ptx__
+    text = ptx(cfg, operands, mode)
     assert cfg.pdl
-    assert ptx.count("griddepcontrol.wait") == 1
-    assert ptx.count("griddepcontrol.launch_dependents") == 1
-    first_access = re.search(_GLOBAL_ACCESS, ptx)
-    assert first_access and ptx.index("griddepcontrol.wait") < first_access.start()
-    plain = fg_compile.build(
-        dataclasses.replace(cfg, pdl=False), dtype, arch="sm_90a", keep_ptx=True, signal_mode=mode
-    ).__ptx__
+    assert text.count("griddepcontrol.wait") == 1
+    assert text.count("griddepcontrol.launch_dependents") == 1
+    first_access = re.search(_GLOBAL_ACCESS, text)
+    assert first_access and text.index("griddepcontrol.wait") < first_access.start()
+    plain = ptx(cfg.replace(pdl=False), operands, mode)
     assert "griddepcontrol" not in plain
     assert re.search(_GLOBAL_ACCESS, plain)
     # l2_warmup (on by default, with PDL only): the TMA prefetches of the
     # first weight k-tiles into L2 are issued before the wait
     warm = "cp.async.bulk.prefetch.tensor.3d.L2.global"
-    assert cfg.l2_warmup and 0 <= ptx.find(warm) < ptx.index("griddepcontrol.wait")
+    assert cfg.l2_warmup and 0 <= text.find(warm) < text.index("griddepcontrol.wait")
     assert warm not in plain
-    cold = fg_compile.build(
-        dataclasses.replace(cfg, l2_warmup=False), dtype, arch="sm_90a", keep_ptx=True, signal_mode=mode
-    ).__ptx__
+    cold = ptx(cfg.replace(l2_warmup=False), operands, mode)
     assert warm not in cold and cold.count("griddepcontrol.wait") == 1
 
 
-@pytest.mark.parametrize(
-    "cfg, dtype",
-    [
-        (dataclasses.replace(HEURISTIC_CONFIGS[1], dynamic=True, balance_rounds=False), "bf16"),  # 2-CTA cluster
-        (dataclasses.replace(HEURISTIC_CONFIGS[3], dynamic=True, balance_rounds=False, cluster_n=1), "bf16"),
-        (dataclasses.replace(FP8_HEURISTIC_CONFIGS[1], dynamic=True, balance_rounds=False), "fp8e4m3"),
-    ],
-    ids=["bf16-cluster2", "bf16-cluster1", "fp8-cluster2"],
-)
-def test_dynamic_order_claims_and_returns_the_counter(cfg, dtype):
+DYNAMIC_CASES = [
+    (DECODE_128_CONFIG.replace(order=TileOrder.DYNAMIC, tail=Tail.NONE), BF16),  # 2-CTA cluster
+    (MID_192_N128_CONFIG.replace(order=TileOrder.DYNAMIC, tail=Tail.NONE, cluster_n=1), BF16),
+    (FP8_DECODE_N64_CONFIG.replace(order=TileOrder.DYNAMIC, tail=Tail.NONE), FP8),
+]
+
+
+@pytest.mark.parametrize("cfg, operands", DYNAMIC_CASES, ids=["bf16-cluster2", "bf16-cluster1", "fp8-cluster2"])
+def test_dynamic_order_claims_and_returns_the_counter(ptx, cfg, operands):
     """The dynamic order claims units with a relaxed global add, counts
     finished clusters with an acq_rel add (whose last one zeroes the counter),
     hands claims to the cluster's peer with st.async into its shared memory,
     and still touches no global memory before griddepcontrol.wait. The
     static build has none of it."""
-    ptx = fg_compile.build(cfg, dtype, arch="sm_90a", keep_ptx=True).__ptx__
-    assert re.search(r"atom\.global\.add\.u32", ptx)
-    assert re.search(r"atom\.global\.acq_rel\.add\.u32", ptx)
+    text = ptx(cfg, operands)
+    assert re.search(r"atom\.global\.add\.u32", text)
+    assert re.search(r"atom\.global\.acq_rel\.add\.u32", text)
     if cfg.cluster_n > 1:
-        assert "st.async" in ptx and "mbarrier.arrive.expect_tx.shared::cluster" in ptx
+        assert "st.async" in text and "mbarrier.arrive.expect_tx.shared::cluster" in text
     else:
-        assert "st.async" not in ptx
-    first_access = re.search(_GLOBAL_ACCESS, ptx)
-    assert ptx.index("griddepcontrol.wait") < first_access.start()
-    static = fg_compile.build(dataclasses.replace(cfg, dynamic=False), dtype, arch="sm_90a", keep_ptx=True).__ptx__
+        assert "st.async" not in text
+    first_access = re.search(_GLOBAL_ACCESS, text)
+    assert text.index("griddepcontrol.wait") < first_access.start()
+    static = ptx(cfg.replace(order=TileOrder.EXPERT_MAJOR), operands)
     assert "atom.global" not in static and "st.async" not in static
+
+
+def test_ptx_features_names_the_signal_publish_sequence_in_order():
+    gemm = "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 ...; cp.async.bulk.tensor.3d.shared::cta.global.tile"
+    publish = (
+        "cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 %r1, 1;\n\t"
+        "red.release.gpu.global.add.s32 [%rd1], %r1;"
+    )
+    assert ptx_features(gemm) == ["wgmma", "tma-load"]
+    assert ptx_features(gemm + publish)[-1] == "signal-publish"
+    # out of order, the read-only wait, or no fence: no publish
+    for bad in (
+        "red.release.gpu.global.add.s32 [%rd1], %r1;\ncp.async.bulk.wait_group 0;\nfence.proxy.async.global;",
+        publish.replace("wait_group 0", "wait_group.read 0"),
+        publish.replace("fence.proxy.async.global;", ""),
+    ):
+        assert "signal-publish" not in ptx_features(gemm + bad)
+    combine = "ld.acquire.gpu.global.b32 %r1, [%rd1]; cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"
+    assert ptx_features(combine) == ["bulk-reduce", "acquire-poll"]
+
+
+class _FakeBuild:
+    def __init__(self, ptx):
+        self.__ptx__ = ptx
+
+
+@pytest.mark.parametrize("publish", [True, False], ids=["publishes", "no-publish"])
+@pytest.mark.parametrize("match", ["bf16-m128n64sAc2-ac32-l2hint-m_block", "bf16-m128n64sAc2-ac32-l2hint-nosig"])
+def test_cli_compile_match_and_exit_status(monkeypatch, capsys, publish, match):
+    """``compile --match SUBSTR`` lists only the GEMMs whose name holds it (no
+    combine), and exits 1 when a signalled kernel's PTX lacks the publish
+    sequence. (Builds stubbed: the listing's own logic, in process.)"""
+    from flashgemm.__main__ import main
+
+    ptx = ("wgmma.mma_async cp.async.bulk.tensor.3d.shared::cta.global "
+           + ("cp.async.bulk.wait_group 0; fence.proxy.async.global; red.release.gpu.global.add.s32 [x], y;"
+              if publish else ""))
+    built = []
+    monkeypatch.setattr(sm90_build, "build", lambda spec, arch=None, **kw: built.append(spec) or _FakeBuild(ptx))
+    monkeypatch.setattr(sm90_build, "build_combine", lambda *a, **kw: pytest.fail("no combine with --match"))
+    rc = main(["compile", "--arch", "sm_90a", f"--match={match}"])
+    want = [s for s in reachable_specs() if match in s.name()]
+    assert len(want) == 1 and built == want
+    out = capsys.readouterr().out
+    listed = [m.group(3) for m in map(_LINE.match, out.splitlines()) if m]
+    assert listed == [s.name() for s in want]
+    signalled = any(s.signal_mode for s in want)
+    assert rc == (0 if publish or not signalled else 1)
+
+
+# Every kernel whose PTX the tests above read, for the listing run to build
+# beside the ones it lists (conftest.kernel_ptx).
+PTX_SPECS = tuple(dict.fromkeys(
+    [KernelSpec(c, BF16) for c in BF16_CONFIGS]
+    + [KernelSpec(c, FP8) for c in FP8_CONFIGS]
+    + [KernelSpec(cfg.replace(staging=staging), ops) for cfg, ops in STAGING_CASES for staging in Staging]
+    + [KernelSpec(variant, ops, mode) for cfg, ops, mode in PDL_CASES
+       for variant in (cfg, cfg.replace(pdl=False), cfg.replace(l2_warmup=False))]
+    + [KernelSpec(variant, ops) for cfg, ops in DYNAMIC_CASES
+       for variant in (cfg, cfg.replace(order=TileOrder.EXPERT_MAJOR))]
+))

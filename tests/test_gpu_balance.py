@@ -1,4 +1,4 @@
-"""GPU tests of ``GemmConfig.balance_rounds`` (skipped without sm_90).
+"""GPU tests of ``Tail.BALANCE`` (skipped without sm_90).
 
 The producer warp of every CTA counts the launch's units from masked_m and
 publishes the active cluster count to the store warp and the consumers; a
@@ -9,32 +9,27 @@ on poisoned output, through the signals, and across graph replays whose
 masked_m switches the cut on and off.
 """
 
-import dataclasses
-import os
-import sys
-
 import pytest
 import torch
 
 import flashgemm
-from flashgemm.config import FP8_MID_CONFIG, FP8_MID_N64_CONFIG, MID_192_CONFIG, MID_CONFIG
-from flashgemm.scheduler import active_clusters, clamp_rows
+from flashgemm.config import Tail
+from flashgemm.schedule.rules import active_clusters, clamp_rows
+from flashgemm.sm90.heuristic import FP8_MID_CONFIG, FP8_MID_N64_CONFIG, MID_192_CONFIG, MID_CONFIG
 
-from conftest import requires_hopper
+from conftest import capture_graph, requires_hopper
 from test_gpu_fp8 import _check as _check_fp8
 from test_gpu_fp8 import _fp8_case
 from test_gpu_fp8 import _poisoned_out as _poisoned_out_fp8
 from test_gpu_gemm import POISON, _check, _poisoned_out, _random_case
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-from bench import capture_graph  # noqa: E402
 
 pytestmark = requires_hopper
 
 
 def _bal(cfg):
     """The heuristic balances only its 128x128 tiles; any static tile can."""
-    return dataclasses.replace(cfg, balance_rounds=True)
+    return cfg.replace(tail=Tail.BALANCE)
 
 
 def _clusters(cfg, masked, max_m, n, num_sms):
@@ -51,7 +46,7 @@ BF16_CASES = [
     (MID_CONFIG, 5, 384, 1032, 256, [384, 130, 129, 200, 1], 44),
     (MID_CONFIG, 3, 256, 256, 512, [256, 256, 129], 8),  # 6 units on 4 clusters -> 2 x 3
     (_bal(MID_192_CONFIG), 4, 400, 520, 192, [400, 193, 0, 17], 24),  # 30 units on 12 -> 3 x 10
-    (dataclasses.replace(MID_CONFIG, cluster_n=1), 2, 300, 136, 128, [300, 129], 8),
+    (MID_CONFIG.replace(cluster_n=1), 2, 300, 136, 128, [300, 129], 8),
 ]
 
 

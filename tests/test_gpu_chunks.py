@@ -14,13 +14,12 @@ chunk runs past the tensor). Outputs are poisoned first and compared with
 the reference.
 """
 
-import dataclasses
-
 import pytest
 import torch
 
 import flashgemm
-from flashgemm.config import (
+from flashgemm.config import TileOrder
+from flashgemm.sm90.heuristic import (
     DECODE_128_CONFIG, DECODE_CONFIG, FP8_DECODE_CONFIG, FP8_MID_CONFIG, FP8_MID_N64_CONFIG, MID_192_CONFIG,
     MID_CONFIG, choose_config,
 )
@@ -50,12 +49,12 @@ def _junk_past_m(a, masked, a_scale=None):
 
 BF16_CONFIGS = [
     DECODE_CONFIG,  # 64 rows, 2-CTA cluster: one 32-row chunk per CTA
-    dataclasses.replace(DECODE_CONFIG, cluster_n=1),  # two chunks on one CTA
+    DECODE_CONFIG.replace(cluster_n=1),  # two chunks on one CTA
     DECODE_128_CONFIG,  # two per CTA
-    dataclasses.replace(DECODE_128_CONFIG, a_chunk_rows=16),  # four per CTA
+    DECODE_128_CONFIG.replace(a_chunk_rows=16),  # four per CTA
     MID_192_CONFIG,  # three per CTA, three consumer warpgroups
-    dataclasses.replace(MID_CONFIG, cluster_n=1),  # four on one CTA, balanced rounds
-    dataclasses.replace(DECODE_128_CONFIG, a_chunk_rows=64),  # one per CTA
+    MID_CONFIG.replace(cluster_n=1),  # four on one CTA, balanced rounds
+    DECODE_128_CONFIG.replace(a_chunk_rows=64),  # one per CTA
 ]
 
 
@@ -71,9 +70,9 @@ def test_bf16_chunked_a_matches_reference(cfg, seed):
 
 FP8_CONFIGS = [
     FP8_DECODE_CONFIG,
-    dataclasses.replace(FP8_DECODE_CONFIG, a_chunk_rows=16),
+    FP8_DECODE_CONFIG.replace(a_chunk_rows=16),
     FP8_MID_CONFIG,  # n-group-major, two product sets
-    dataclasses.replace(FP8_MID_CONFIG, n_major=False, cluster_n=1),
+    FP8_MID_CONFIG.replace(order=TileOrder.EXPERT_MAJOR, cluster_n=1),
     FP8_MID_N64_CONFIG,
 ]
 

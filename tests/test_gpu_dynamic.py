@@ -1,17 +1,16 @@
-"""GPU tests of the dynamic tile order (``GemmConfig.dynamic``; skipped without sm_90).
+"""GPU tests of the dynamic tile order (``TileOrder.DYNAMIC``; skipped without sm_90).
 
 Each launch claims units from its stream's counter and must leave it at zero:
 the next launch on that stream starts from it without any memset.
 """
 
-import dataclasses
-
 import pytest
 import torch
 
 import flashgemm
-from flashgemm import launcher
-from flashgemm.config import (
+from flashgemm import workspace
+from flashgemm.config import Tail, TileOrder
+from flashgemm.sm90.heuristic import (
     DECODE_128_CONFIG,
     DECODE_CONFIG,
     FP8_DECODE_CONFIG,
@@ -33,7 +32,8 @@ pytestmark = requires_hopper
 
 
 def _dyn(cfg, **kw):
-    return dataclasses.replace(cfg, dynamic=True, balance_rounds=False, **kw)
+    """The dynamic order (it replaces the static order's tail rule)."""
+    return cfg.replace(order=TileOrder.DYNAMIC, tail=Tail.NONE, **kw)
 
 
 BF16_CONFIGS = [
@@ -42,6 +42,7 @@ BF16_CONFIGS = [
     _dyn(MID_192_CONFIG),  # three consumer warpgroups
     _dyn(MID_CONFIG, cluster_n=1),
 ]
+# (FP8_MID_CONFIG's n-major order becomes the dynamic one: the two are one field now)
 FP8_CONFIGS = [_dyn(FP8_DECODE_CONFIG), _dyn(FP8_DECODE_N64_CONFIG), _dyn(FP8_MID_CONFIG, l2_hints=True)]
 
 SHAPES = [
@@ -55,7 +56,7 @@ SHAPES = [
 
 def _counter_is_zero():
     torch.cuda.synchronize()
-    counter = launcher._claim_counter(torch.cuda.current_device())
+    counter = workspace.claim_counter(torch.cuda.current_device())
     assert counter.tolist() == [0, 0], f"claim counter left at {counter.tolist()}"
 
 
@@ -132,7 +133,7 @@ def test_two_streams_use_their_own_counters(seed):
     counters = []
     for s in streams:
         with torch.cuda.stream(s):
-            counters.append(launcher._claim_counter(torch.cuda.current_device()))
+            counters.append(workspace.claim_counter(torch.cuda.current_device()))
     assert counters[0].data_ptr() != counters[1].data_ptr()
     assert all(c.tolist() == [0, 0] for c in counters)
 
@@ -184,12 +185,13 @@ def test_full_grid_gemm_behind_a_resident_combine(dynamic, seed):
     the combine waits on tiles nobody computes and times out (checked here, so
     the test is known to build that situation); in the dynamic order the
     resident clusters claim every unit and the combine completes."""
-    from flashgemm.combine import ERR_TIMEOUT
+    from flashgemm.sm90.combine import ERR_TIMEOUT
     from flashgemm.overlap import combine_masked
     from test_gpu_signals import _reference_combine, _routing
 
     e_count, max_m, n, k, num_tokens = 8, 256, 2048, 1024, 64
-    config = dataclasses.replace(DECODE_CONFIG, dynamic=dynamic)
+    config = DECODE_CONFIG.replace(order=TileOrder.DYNAMIC if dynamic else TileOrder.EXPERT_MAJOR)
+    assert config.dynamic == dynamic
     a = torch.randn(e_count, max_m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(e_count, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     masked_m = torch.randint(1, max_m + 1, (e_count,), dtype=torch.int32, device="cuda")
@@ -241,14 +243,14 @@ def test_graphs_and_eager_launches_never_share_a_counter(seed):
         for case in cases:
             launch(case)  # warm-up: compile, plan, the zeroed counters for graphs
     torch.cuda.synchronize()
-    used = launcher._GRAPH_POOLS[torch.cuda.current_device()][1]
+    used = workspace.graph_slots_used(torch.cuda.current_device())
     graphs = []
     for case in cases[:2]:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=cap):
             launch(case)
         graphs.append(g)
-    assert launcher._GRAPH_POOLS[torch.cuda.current_device()][1] == used + 2
+    assert workspace.graph_slots_used(torch.cuda.current_device()) == used + 2
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for _ in range(4):
         for case in cases:

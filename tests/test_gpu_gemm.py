@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import flashgemm
-from flashgemm import compile as fg_compile
-from flashgemm.config import HEURISTIC_CONFIGS, GemmConfig
+from flashgemm.config import GemmConfig, Operands
+from flashgemm.jit import cache
 from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error
+from flashgemm.sm90.heuristic import reachable_specs
 
 from conftest import requires_hopper
 
@@ -60,14 +61,16 @@ SHAPES = [
 ]
 
 
+# every bf16 configuration the heuristic can pick (once each), and others
+HEURISTIC_CONFIGS = tuple(dict.fromkeys(s.config for s in reachable_specs(Operands.BF16)))
 CONFIGS = HEURISTIC_CONFIGS + (
-    GemmConfig(tile_m=64, tile_n=256, consumer_warpgroups=1),
-    GemmConfig(tile_m=128, tile_n=192, consumer_warpgroups=2),
-    GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, stages=3),
-    GemmConfig(tile_m=128, tile_n=128, consumer_warpgroups=2, l2_hints=True),
-    GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, cluster_n=2),  # the earlier decode tile
-    GemmConfig(tile_m=192, tile_n=128, consumer_warpgroups=3, cluster_n=2),
-    GemmConfig(tile_m=192, tile_n=64, consumer_warpgroups=3, cluster_n=1),
+    GemmConfig(tile_m=64, tile_n=256),
+    GemmConfig(tile_m=128, tile_n=192),
+    GemmConfig(tile_m=64, tile_n=64, stages=3),
+    GemmConfig(tile_m=128, tile_n=128, l2_hints=True),
+    GemmConfig(tile_m=64, tile_n=128, cluster_n=2),  # the earlier decode tile
+    GemmConfig(tile_m=192, tile_n=128, cluster_n=2),
+    GemmConfig(tile_m=192, tile_n=64, cluster_n=1),
 )
 # (the heuristic's 2-CTA clusters share A by multicast; N=64/520/1032 give odd
 # n-block counts, where one CTA of a pair computes a tile past N and stores nothing)
@@ -107,11 +110,11 @@ def test_allocates_out_when_none(seed):
 
 
 def test_new_masked_m_and_shapes_do_not_recompile(seed):
-    cfg = GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1)
+    cfg = GemmConfig(tile_m=64, tile_n=128)
     a, b, masked_m = _random_case(6, 192, 256, 256, [5, 0, 192, 64, 65, 1])
     buf, out = _poisoned_out(6, 192, 256)
     flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg)
-    before = fg_compile.compile_count
+    before = cache.compile_count
     for _ in range(3):
         masked_m.copy_(torch.randint(0, 193, (6,), dtype=torch.int32))
         buf, out = _poisoned_out(6, 192, 256)
@@ -121,7 +124,7 @@ def test_new_masked_m_and_shapes_do_not_recompile(seed):
     buf, out = _poisoned_out(3, 100, 520)
     flashgemm.grouped_gemm_nt_masked(a2, b2, out, m2, config=cfg)
     _check(a2, b2, m2, out, buf)
-    assert fg_compile.compile_count == before
+    assert cache.compile_count == before
 
 
 def test_strided_operands(seed):
@@ -136,7 +139,7 @@ def test_strided_operands(seed):
 
 
 def test_cluster_grid_sizes(seed):
-    cfg = GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, cluster_n=2)
+    cfg = GemmConfig(tile_m=64, tile_n=128, cluster_n=2)
     a, b, masked_m = _random_case(5, 130, 392, 256, [130, 0, 1, 64, 65])
     with pytest.raises(ValueError, match="num_sms"):
         flashgemm.grouped_gemm_nt_masked(a, b, None, masked_m, config=cfg, num_sms=1)
@@ -148,15 +151,15 @@ def test_cluster_grid_sizes(seed):
 
 def test_reused_signature_still_checks_pointers(seed):
     """The per-signature fast path skips the shape checks, never the address ones."""
-    from flashgemm import launcher
+    from flashgemm import api
 
     a, b, masked_m = _random_case(4, 64, 256, 256, [64, 3, 0, 17])
     out = torch.empty(4, 64, 256, device="cuda", dtype=torch.bfloat16)
     flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m)
-    plans = len(launcher._PLANS)
+    plans = len(api._PLANS)
     buf, out2 = _poisoned_out(4, 64, 256)
     flashgemm.grouped_gemm_nt_masked(a, b, out2, masked_m)  # same signature: reuses the plan
-    assert len(launcher._PLANS) == plans
+    assert len(api._PLANS) == plans
     _check(a, b, masked_m, out2, buf)
     # same shapes and strides, but out on top of a / misaligned
     shared = torch.empty(2 * a.numel(), device="cuda", dtype=torch.bfloat16)

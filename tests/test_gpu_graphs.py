@@ -97,7 +97,7 @@ def test_fresh_process_launches_from_the_disk_cache(tmp_path):
 import json, time, torch
 t0 = time.perf_counter()
 import flashgemm
-from flashgemm import compile as c, diskcache
+from flashgemm.jit import cache as c, diskcache
 from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error
 a = torch.randn(4, 96, 256, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(4, 320, 256, device="cuda", dtype=torch.bfloat16) / 16

@@ -1,52 +1,51 @@
-"""GPU tests of ``GemmConfig.n_major`` and ``n_major_window`` (skipped without sm_90).
+"""GPU tests of ``TileOrder.N_MAJOR`` and ``n_major_window`` (skipped without sm_90).
 
 Every role of every CTA finds its tiles in the n-group-major order by a warp
 scan over masked_m, 32 experts at a time; roles that disagreed would hang or
 compute a tile twice or never. The cases cover one and several 32-expert
 chunks, empty and over-full experts, partial tiles in M and N, clusters of
-one and two, the balanced and the dynamic order, signals, and graph replays
+one and two, balanced rounds, signals, and graph replays
 whose masked_m changes the m-block count between replays.
 """
-
-import dataclasses
-import os
-import sys
 
 import pytest
 import torch
 
 import flashgemm
-from flashgemm.config import DECODE_128_CONFIG, DECODE_CONFIG, FP8_MID_CONFIG, FP8_MID_N64_CONFIG, MID_CONFIG
+from flashgemm.config import Tail, TileOrder
+from flashgemm.sm90.heuristic import (
+    DECODE_128_CONFIG, DECODE_CONFIG, FP8_MID_CONFIG, FP8_MID_N64_CONFIG, MID_CONFIG,
+)
 
-from conftest import requires_hopper
+from conftest import capture_graph, requires_hopper
 from test_gpu_fp8 import _check as _check_fp8
 from test_gpu_fp8 import _fp8_case
 from test_gpu_fp8 import _poisoned_out as _poisoned_out_fp8
 from test_gpu_balance import replay_with_draws
 from test_gpu_gemm import _check, _poisoned_out, _random_case
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-from bench import capture_graph  # noqa: E402
 
 pytestmark = requires_hopper
 
 
 def _nm(cfg, **kw):
-    return dataclasses.replace(cfg, n_major=True, **kw)
+    """The n-major order (in place of DECODE_CONFIG's dynamic one: the order
+    is one field, so the dynamic n-major builds of old are gone)."""
+    return cfg.replace(order=TileOrder.N_MAJOR, **kw)
 
 
 BF16_CONFIGS = [
     _nm(MID_CONFIG),  # balanced, clusters of 2
-    _nm(MID_CONFIG, balance_rounds=False, cluster_n=1),
+    _nm(MID_CONFIG, tail=Tail.NONE, cluster_n=1),
     _nm(DECODE_128_CONFIG),
-    _nm(DECODE_CONFIG),  # dynamic: claims, then the same search
+    _nm(DECODE_CONFIG),  # one consumer warpgroup
     # n_major_window: windows of 1 (the expert-major order, as calls with
     # signals run it), of 2 (the first one empty: experts 0 and 1 hold no
     # rows), of 8 (E = 70: a short last window) and of 32 (one per chunk)
     _nm(MID_CONFIG, n_major_window=1),
     _nm(MID_CONFIG, n_major_window=2),
     _nm(DECODE_CONFIG, n_major_window=8),
-    _nm(MID_CONFIG, balance_rounds=False, cluster_n=1, n_major_window=32),
+    _nm(MID_CONFIG, tail=Tail.NONE, cluster_n=1, n_major_window=32),
 ]
 
 
@@ -75,8 +74,7 @@ def test_bf16_matches_reference(config, shape, seed):
     _check(a, b, masked_m, out, buf)
 
 
-@pytest.mark.parametrize("config", [FP8_MID_CONFIG, FP8_MID_N64_CONFIG, _nm(FP8_MID_CONFIG, dynamic=True,
-                                    balance_rounds=False), _nm(FP8_MID_CONFIG, n_major_window=1),
+@pytest.mark.parametrize("config", [FP8_MID_CONFIG, FP8_MID_N64_CONFIG, _nm(FP8_MID_CONFIG, n_major_window=1),
                                     _nm(FP8_MID_CONFIG, n_major_window=2),
                                     _nm(FP8_MID_N64_CONFIG, n_major_window=4)], ids=lambda c: c.short_name())
 @pytest.mark.parametrize("e_count", [6, 37])

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import flashgemm
-from flashgemm.combine import ERR_BAD_TOKEN, ERR_TIMEOUT
-from flashgemm.config import (
-    DECODE_CONFIG, FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG, FP8_MID_CONFIG, MID_CONFIG, GemmConfig,
+from flashgemm.config import GemmConfig
+from flashgemm.sm90.combine import ERR_BAD_TOKEN, ERR_TIMEOUT
+from flashgemm.sm90.heuristic import (
+    DECODE_CONFIG, FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG, FP8_MID_CONFIG, MID_CONFIG,
 )
 from flashgemm.overlap import combine_masked, run_gemm_and_combine
 from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token
@@ -21,9 +22,9 @@ pytestmark = requires_hopper
 SIGNAL_CONFIGS = [
     DECODE_CONFIG,
     MID_CONFIG,
-    GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, cluster_n=2),  # odd n-tiles below
-    GemmConfig(tile_m=128, tile_n=256, consumer_warpgroups=2, cluster_n=1),
-    GemmConfig(tile_m=192, tile_n=128, consumer_warpgroups=3, cluster_n=2),
+    GemmConfig(tile_m=64, tile_n=128, cluster_n=2),  # odd n-tiles below
+    GemmConfig(tile_m=128, tile_n=256, cluster_n=1),
+    GemmConfig(tile_m=192, tile_n=128, cluster_n=2),
 ]
 
 

@@ -1,4 +1,4 @@
-"""GPU tests of ``GemmConfig.split_last_round`` (skipped without sm_90).
+"""GPU tests of ``Tail.SPLIT`` (skipped without sm_90).
 
 Every role of every CTA counts the launch's units from masked_m and finds
 the same last round; there each unit runs as two half units on two clusters,
@@ -11,30 +11,25 @@ the reference on poisoned output, and across graph replays whose masked_m
 switches the split on and off.
 """
 
-import dataclasses
-import os
-import sys
-
 import pytest
 import torch
 
 import flashgemm
-from flashgemm.config import FP8_PREFILL_CONFIG, MID_CONFIG, PREFILL_CONFIG
-from flashgemm.scheduler import tile_order
+from flashgemm.config import Promotion, Tail
+from flashgemm.schedule.model import tile_order
+from flashgemm.sm90.heuristic import FP8_PREFILL_CONFIG, MID_CONFIG, PREFILL_CONFIG
 
-from conftest import requires_hopper
+from conftest import capture_graph, requires_hopper
 from test_gpu_balance import replay_with_draws
 from test_gpu_fp8 import _check as _check_fp8
 from test_gpu_fp8 import _fp8_case
 from test_gpu_fp8 import _poisoned_out as _poisoned_out_fp8
 from test_gpu_gemm import _check, _poisoned_out, _random_case
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-from bench import capture_graph  # noqa: E402
 
 pytestmark = requires_hopper
 
-MID_SPLIT = dataclasses.replace(MID_CONFIG, balance_rounds=False, split_last_round=True)
+MID_SPLIT = MID_CONFIG.replace(tail=Tail.SPLIT)
 
 
 def _half_tiles(cfg, masked, max_m, n, num_sms):
@@ -55,7 +50,7 @@ BF16_CASES = [
     # 2 units, every one split: the grid doubles to 4 clusters for them
     (PREFILL_CONFIG, 2, 128, 512, 512, [50, 70], 132),
     # 16 units (N 776: 3 full n-blocks and 8 columns) on 12 CTAs: the last 4 as 8 halves
-    (dataclasses.replace(PREFILL_CONFIG, cluster_n=1), 3, 384, 776, 320, [384, 65, 0], 12),
+    (PREFILL_CONFIG.replace(cluster_n=1), 3, 384, 776, 320, [384, 65, 0], 12),
     (MID_SPLIT, 5, 384, 1032, 256, [384, 130, 129, 200, 1], 44),
 ]
 
@@ -76,10 +71,11 @@ def test_bf16_split_last_round_matches_reference(case, seed):
 )  # the heuristic's prefill tile, and the 128-wide one with two product sets
 def test_fp8_split_last_round_matches_reference(cluster_n, tile, seed):
     tile_n, overlap = tile
-    cfg = dataclasses.replace(
-        FP8_PREFILL_CONFIG, cluster_n=cluster_n, tile_n=tile_n, promote_overlap=overlap,
-        promote_parts=1 if overlap else FP8_PREFILL_CONFIG.promote_parts,
+    cfg = FP8_PREFILL_CONFIG.replace(
+        cluster_n=cluster_n, tile_n=tile_n,
+        promotion=Promotion.OVERLAPPED if overlap else FP8_PREFILL_CONFIG.promotion,
     )
+    assert cfg.tail is Tail.SPLIT
     # 8 m-blocks; N 528: 128-wide n-blocks 5 (one partial), 192-wide 3 (the
     # last 144 wide; the tiles straddle scale blocks at columns 128 and 64);
     # K 2880: a partial scale block. The grid is the first, from 18 clusters
@@ -102,7 +98,7 @@ def test_heuristic_prefill_call_splits(seed):
     # 9 m-blocks x 4 n-groups = 36 units on 17 clusters: the last 2 split
     e_count, max_m, n, k, masked, num_sms = 3, 512, 2048, 256, [512, 300, 130], 34
     cfg = flashgemm.choose_config(400, max_m, n, k, num_sms, num_experts=e_count)
-    assert cfg.split_last_round and _half_tiles(cfg, masked, max_m, n, num_sms) > 0
+    assert cfg.tail is Tail.SPLIT and _half_tiles(cfg, masked, max_m, n, num_sms) > 0
     a, b, masked_m = _random_case(e_count, max_m, n, k, masked)
     buf, out = _poisoned_out(e_count, max_m, n)
     flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=400, num_sms=num_sms)

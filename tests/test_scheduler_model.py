@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from flashgemm.reference import grouped_gemm_nt_masked_ref
-from flashgemm.scheduler import active_clusters, split_unit, tail_start, tile_order, valid_tiles
+from flashgemm.schedule.model import tile_order, valid_tiles
+from flashgemm.schedule.rules import active_clusters, clamp_rows, n_groups, split_unit, tail_start
 
 MAX_MS = (1, 63, 64, 65, 200, 1024)
 NS = (8, 120, 128, 136, 4096)
@@ -272,7 +273,7 @@ def test_walker_matches_tile_order_clusters(chunk):
 
 @pytest.mark.parametrize("chunk", range(4))
 def test_balanced_walker_matches_tile_order_and_keeps_the_round_count(chunk):
-    """balance_rounds: the walker (with the producer's count) is the model;
+    """Tail.BALANCE: the walker (with the producer's count) is the model;
     every valid tile runs once; no cluster runs more units than the plain
     round-robin's busiest (the same number of rounds); and when the plain
     order's last round is at most half full, ceil(units / rounds) clusters
@@ -307,6 +308,13 @@ def test_balanced_walker_matches_tile_order_and_keeps_the_round_count(chunk):
     assert triggered >= 2  # the draw really exercises the cut (4-9 per chunk)
 
 
+def test_rules_by_hand():
+    # the integer rules the model and the walkers share
+    assert [clamp_rows(m, 100) for m in (-3, 0, 1, 100, 101, 10**6)] == [0, 0, 1, 100, 100, 100]
+    assert [n_groups(b, 2) for b in (0, 1, 2, 3, 56)] == [0, 1, 1, 2, 28]
+    assert [n_groups(b, 1) for b in (0, 1, 7)] == [0, 1, 7]
+
+
 def test_active_clusters_by_hand():
     assert active_clusters(280, 66) == 56  # fp8 dsv3-ep32-down: 4 full rounds + 16 -> 5 x 56
     assert active_clusters(192, 66) == 66  # last round 60 of 66: kept
@@ -318,7 +326,7 @@ def test_active_clusters_by_hand():
 
 
 # ---------------------------------------------------------------------------
-# GemmConfig.n_major: units numbered n-group first (NMajorTileScheduler)
+# TileOrder.N_MAJOR: units numbered n-group first (NMajorTileScheduler)
 # ---------------------------------------------------------------------------
 
 
@@ -449,7 +457,7 @@ def test_n_major_mixes_experts_in_every_round():
 
 @pytest.mark.parametrize("cluster_n", (1, 2))
 def test_n_major_first_tile_guess(cluster_n):
-    from flashgemm.scheduler import NMajorTileScheduler
+    from flashgemm.schedule.nmajor import NMajorTileScheduler
 
     rng = random.Random(7 + cluster_n)
     for e_count, n in ((1, 120), (3, 7168), (8, 7168)):
@@ -506,7 +514,7 @@ def test_n_major_window_order_by_hand():
 @pytest.mark.parametrize("cluster_n", (1, 2))
 @pytest.mark.parametrize("window", (2, 4))
 def test_n_major_window_first_tile_guess(cluster_n, window):
-    from flashgemm.scheduler import NMajorTileScheduler
+    from flashgemm.schedule.nmajor import NMajorTileScheduler
 
     rng = random.Random(11 + cluster_n + window)
     for e_count, n in ((1, 120), (3, 7168), (8, 7168), (16, 1536)):
@@ -530,7 +538,7 @@ def test_walker_empty_experts_and_guard():
 
 
 # ---------------------------------------------------------------------------
-# GemmConfig.split_last_round: a last round at most half full runs in halves
+# Tail.SPLIT: a last round at most half full runs in halves
 # ---------------------------------------------------------------------------
 
 
@@ -701,7 +709,7 @@ def test_first_tile_guess_is_the_first_tile_when_every_expert_fits_one_m_block(c
     here on ints). With every expert holding 1..tile_m rows the guess must be
     the model's first tile for every CTA, and in range exactly when the CTA
     has a first tile."""
-    from flashgemm.scheduler import MaskedTileScheduler
+    from flashgemm.schedule.walker import MaskedTileScheduler
 
     rng = random.Random(n * 10 + cluster_n)
     tile_m, tile_n = 64, 64

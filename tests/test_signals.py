@@ -7,19 +7,21 @@ from collections import Counter
 import pytest
 import torch
 
-from flashgemm import compile as fg_compile
 from flashgemm import signal_layout
-from flashgemm.config import DECODE_CONFIG, MID_CONFIG, GemmConfig
-from flashgemm.epilogue import SIGNAL_STAGES
-from flashgemm.scheduler import tile_order
+from flashgemm.__main__ import ptx_features
+from flashgemm.config import GemmConfig, KernelSpec, Operands, Tail
+from flashgemm.schedule.model import tile_order
 from flashgemm.signals import make_signal_layout, validate_signals
+from flashgemm.sm90.epilogue import SIGNAL_STAGES
+from flashgemm.sm90.heuristic import DECODE_CONFIG, MID_CONFIG
 
 
 def _counts_from_schedule(masked_m, max_m, n, cfg, granularity, num_ctas=14):
     """Signal values implied by the scheduler model: one add per stored tile."""
     layout = make_signal_layout(granularity, max_m, n, cfg.tile_m, cfg.tile_n, len(masked_m))
     counts = Counter()
-    for cta in tile_order(masked_m, max_m, n, cfg.tile_m, cfg.tile_n, num_ctas, cfg.cluster_n, cfg.balance_rounds):
+    balance = cfg.tail is Tail.BALANCE
+    for cta in tile_order(masked_m, max_m, n, cfg.tile_m, cfg.tile_n, num_ctas, cfg.cluster_n, balance):
         for e, mb, nb in cta:
             counts[layout.index(e, mb)] += 1
     return layout, torch.tensor([counts[i] for i in range(layout.size)], dtype=torch.int32)
@@ -28,7 +30,7 @@ def _counts_from_schedule(masked_m, max_m, n, cfg, granularity, num_ctas=14):
 @pytest.mark.parametrize("granularity", ["m_block", "expert"])
 def test_final_values_match_scheduler_model(granularity):
     rng = random.Random(1234)
-    configs = [DECODE_CONFIG, MID_CONFIG, GemmConfig(tile_m=128, tile_n=192), GemmConfig(tile_m=64, tile_n=64, consumer_warpgroups=1, cluster_n=2)]
+    configs = [DECODE_CONFIG, MID_CONFIG, GemmConfig(tile_m=128, tile_n=192), GemmConfig(tile_m=64, tile_n=64, cluster_n=2)]
     for _ in range(200):
         e_count = rng.choice([1, 3, 17, 64])
         max_m = rng.choice([1, 64, 100, 300])
@@ -45,7 +47,7 @@ def test_final_values_match_scheduler_model(granularity):
                 assert int(got[lo:hi].sum()) == 0
 
 
-def test_layout_facts_before_launch():
+def test_layout_facts_before_launch(fake_gpu):
     lay = signal_layout(32, 1024, 4096, 7168, expected_m=32)
     assert (lay.block_m, lay.block_n) == (DECODE_CONFIG.tile_m, DECODE_CONFIG.tile_n)
     assert lay.num_m_blocks == 1024 // DECODE_CONFIG.tile_m and lay.n_tiles == 4096 // DECODE_CONFIG.tile_n
@@ -77,8 +79,8 @@ def test_signal_validation():
 
 
 @pytest.mark.parametrize("mode", ["m_block", "expert"])
-def test_ptx_publishes_with_release(mode):
-    ptx = fg_compile.build(MID_CONFIG, arch="sm_90a", keep_ptx=True, signal_mode=mode).__ptx__
+def test_ptx_publishes_with_release(mode, kernel_ptx):
+    ptx = kernel_ptx(KernelSpec(MID_CONFIG, Operands.BF16, mode))
     assert "red.release.gpu.global.add.s32" in ptx
     # waits for the bulk stores to complete, not only to release shared memory
     assert re.search(r"cp\.async\.bulk\.wait_group\s", ptx)
@@ -86,8 +88,10 @@ def test_ptx_publishes_with_release(mode):
     # the release add is the only GPU-scope ordering: an extra fence.acq_rel.gpu
     # before it cost ~1% on the small decode cases (docs/signals.md)
     assert "fence.acq_rel.gpu" not in ptx
-    plain = fg_compile.build(MID_CONFIG, arch="sm_90a", keep_ptx=True).__ptx__
+    plain = kernel_ptx(KernelSpec(MID_CONFIG, Operands.BF16))
     assert "red.release.gpu" not in plain
+    # in order: the bulk stores complete, the proxy fence, the release add
+    assert "signal-publish" in ptx_features(ptx) and "signal-publish" not in ptx_features(plain)
     # partial tiles reach the store warp through the signal pipeline's
     # mbarriers (a CTA-local release arrive), not through another named barrier
     assert ptx.count("mbarrier.init") == plain.count("mbarrier.init") + 2 * SIGNAL_STAGES
@@ -96,8 +100,10 @@ def test_ptx_publishes_with_release(mode):
     assert len(re.findall(named, ptx)) == len(re.findall(named, plain))
 
 
-def test_combine_ptx_polls_with_acquire_and_backoff():
-    ptx = fg_compile.build_combine(64, "sm_90a", keep_ptx=True).__ptx__
+def test_combine_ptx_polls_with_acquire_and_backoff(kernel_ptx):
+    from flashgemm.signals import DEFAULT_ROWS_PER_ITEM
+
+    ptx = kernel_ptx(("combine", 64, DEFAULT_ROWS_PER_ITEM))
     assert "ld.acquire.gpu.global.b32" in ptx  # the wait's poll
     assert "nanosleep" in ptx  # back-off between polls
     assert "atom.global.or.b32" in ptx  # timeout / bad-token error bits
@@ -106,6 +112,7 @@ def test_combine_ptx_polls_with_acquire_and_backoff():
     assert "fence.proxy.async.shared::cta" in ptx
     assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)  # double-buffered staging
+    assert {"bulk-reduce", "acquire-poll"} <= set(ptx_features(ptx))
 
 
 def _cpu_combine_args(e_count=2, max_m=64, n=128):
@@ -122,7 +129,7 @@ def _cpu_combine_args(e_count=2, max_m=64, n=128):
     )
 
 
-def test_combine_rejects_a_misaligned_output():
+def test_combine_rejects_a_misaligned_output(fake_gpu):
     from flashgemm.overlap import combine_masked
 
     tokens, n = 16, 128
@@ -132,8 +139,9 @@ def test_combine_rejects_a_misaligned_output():
 
 
 @pytest.mark.parametrize("rows", [0, 3, 128, True, 4.0])
-def test_combine_rejects_bad_rows_per_item(rows):
-    from flashgemm.combine import MaskedCombineSm90
+def test_combine_rejects_bad_rows_per_item(rows, fake_gpu):
+    from flashgemm.signals import check_rows_per_item
+    from flashgemm.sm90.combine import MaskedCombineSm90
     from flashgemm.overlap import combine_masked
 
     match = "rows_per_item must be a power of two dividing block_m=64"
@@ -141,12 +149,69 @@ def test_combine_rejects_bad_rows_per_item(rows):
         combine_masked(*_cpu_combine_args(), torch.zeros(16, 128), num_sms=8, rows_per_item=rows)
     with pytest.raises(ValueError, match=match):  # the kernel class checks the same rule
         MaskedCombineSm90(64, rows)
+    with pytest.raises(ValueError, match=match):  # ... from flashgemm.signals
+        check_rows_per_item(rows, 64)
 
 
-def test_signal_layout_follows_the_fp8_wave_rule():
+def test_signal_layout_follows_the_fp8_wave_rule(fake_gpu):
     # qwen3-30b-ep8 shapes: the fp8 heuristic takes 64-wide tiles on a 132-SM
     # grid, 128-wide on 12 SMs; the layout the combine sets up must match
     lay = signal_layout(16, 256, 1536, 2048, expected_m=64, num_sms=132, fp8=True)
     assert (lay.block_m, lay.block_n, lay.n_tiles) == (128, 64, 24)
     lay = signal_layout(16, 256, 1536, 2048, expected_m=64, num_sms=12, fp8=True)
     assert (lay.block_m, lay.block_n, lay.n_tiles) == (128, 128, 12)
+
+
+@pytest.mark.parametrize("num_sms, error", [(0, ValueError), (-1, ValueError), (133, ValueError),
+                                            ("4", TypeError), (4.0, TypeError), (True, TypeError)])
+def test_signal_layout_checks_num_sms_like_the_call(fake_gpu, num_sms, error):
+    """signal_layout takes num_sms as the call does, and refuses what the
+    call refuses (the same check_num_sms), before picking a config."""
+    with pytest.raises(error, match=r"^num_sms must be (an int or None|in \[1, 132\] on cuda:0), got"):
+        signal_layout(8, 256, 1024, 1024, num_sms=num_sms)
+    assert signal_layout(8, 256, 1024, 1024, num_sms=132) == signal_layout(8, 256, 1024, 1024)
+
+
+def test_signal_layout_sizes_the_grid_from_its_device(monkeypatch):
+    """The grid cap (and so the fp8 wave rule's pick) comes from the SM
+    count of ``device``, by default the current CUDA device."""
+    from flashgemm import api
+
+    asked = []
+    sms = {0: 132, 1: 12}
+
+    def device_facts(index):
+        asked.append(index)
+        return (9, 0), sms[index], "NVIDIA H100 (fake)"
+
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(api, "device_facts", device_facts)
+    args, kw = (16, 256, 1536, 2048), dict(expected_m=64, fp8=True)
+    # (qwen3-30b-ep8 shapes: 64-wide tiles on 132 SMs, 128-wide on 12)
+    on_0 = signal_layout(*args, **kw)
+    assert (on_0.block_m, on_0.block_n, on_0.n_tiles) == (128, 64, 24) and asked == [0]
+    on_1 = signal_layout(*args, **kw, device="cuda:1")
+    assert (on_1.block_m, on_1.block_n, on_1.n_tiles) == (128, 128, 12) and asked == [0, 1]
+    assert signal_layout(*args, **kw, device=torch.device("cuda", 1)) == on_1 and asked[-1] == 1
+    assert signal_layout(*args, **kw, device="cuda:0") == on_0 and asked[-1] == 0
+    assert signal_layout(*args, **kw, device="cuda:0", num_sms=12) == on_1  # the same grid
+    with pytest.raises(ValueError, match=r"^num_sms must be in \[1, 12\] on cuda:1, got 13$"):
+        signal_layout(*args, **kw, device="cuda:1", num_sms=13)
+    # "cuda" without an index, or no device: the current one
+    current[0] = 1
+    assert signal_layout(*args, **kw, device="cuda") == on_1 and asked[-1] == 1
+    assert signal_layout(*args, **kw) == on_1 and asked[-1] == 1
+
+
+def test_signal_layout_needs_a_cuda_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="signal_layout needs a CUDA device"):
+        signal_layout(8, 256, 1024, 1024, num_sms=8)
+    with pytest.raises(ValueError, match="device must be a CUDA device, got cpu"):
+        signal_layout(8, 256, 1024, 1024, num_sms=8, device="cpu")
+
+
+# the kernels read above (all of them are listed by the compile CLI too)
+PTX_SPECS = tuple(KernelSpec(MID_CONFIG, Operands.BF16, mode) for mode in (None, "m_block", "expert"))

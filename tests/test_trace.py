@@ -3,9 +3,9 @@ only trace builds carry the timer reads."""
 
 import random
 
-from flashgemm import compile as fg_compile
 from flashgemm import trace
-from flashgemm.config import GemmConfig
+from flashgemm.config import GemmConfig, KernelSpec, Operands
+from flashgemm.sm90.build import build
 
 
 def _buffer(entries, tiles):
@@ -40,8 +40,8 @@ def test_timeline_keeps_at_most_max_tiles_per_cta():
 
 
 def test_only_trace_builds_read_the_timer():
-    cfg = GemmConfig(tile_m=64, tile_n=128, consumer_warpgroups=1, cluster_n=2)
-    plain = fg_compile.build(cfg, arch="sm_90a", keep_ptx=True).__ptx__
-    traced = fg_compile.build(cfg, arch="sm_90a", keep_ptx=True, trace=True).__ptx__
+    spec = KernelSpec(GemmConfig(tile_m=64, tile_n=128, cluster_n=2), Operands.BF16)
+    plain = build(spec, arch="sm_90a", keep_ptx=True).__ptx__
+    traced = build(spec, arch="sm_90a", keep_ptx=True, trace=True).__ptx__
     assert "globaltimer" not in plain
     assert traced.count("%globaltimer_lo") >= 7

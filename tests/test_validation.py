@@ -6,12 +6,14 @@ arguments, so any capability / SM count can be driven from here.
 """
 
 import re
+import types
 
 import pytest
 import torch
 
 import flashgemm
-from flashgemm.config import GemmConfig
+from flashgemm.config import GemmConfig, Operands, Tail, TileOrder
+from flashgemm.sm90.limits import SMEM_BYTES, check_config, resolved_stages, smem_bytes
 from flashgemm.validation import validate_args, validate_device
 
 BF16 = torch.bfloat16
@@ -356,6 +358,43 @@ def test_device_mismatch():
         validate_device(t, None, HOPPER, SMS)
 
 
+@pytest.mark.parametrize("arg", ["b", "out", "masked_m", "a_scale", "b_scale", "dst_signals"])
+def test_device_mismatch_named_for_every_tensor_argument(arg):
+    """Every tensor the launcher passes (fp8 scales and dst_signals included)
+    must be on a's GPU; the refusal names the one that is not."""
+    names = ("a", "b", "out", "masked_m", "a_scale", "b_scale", "dst_signals")
+    t = {name: types.SimpleNamespace(device=torch.device("cuda", 0)) for name in names}
+    assert validate_device(dict(t), None, HOPPER, SMS) == SMS
+    t[arg] = types.SimpleNamespace(device=torch.device("cuda", 1))
+    with pytest.raises(ValueError, match=rf"^{arg} is on cuda:1 but a is on cuda:0"):
+        validate_device(t, None, HOPPER, SMS)
+    t[arg] = types.SimpleNamespace(device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=rf"^{arg} must be on a CUDA device, got cpu"):
+        validate_device(t, None, HOPPER, SMS)
+
+
+def test_launcher_passes_every_tensor_to_the_device_check(monkeypatch):
+    """_make_plan hands validate_device every tensor argument by name."""
+    from flashgemm import api
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def spy(tensors, *args, **kw):
+        seen.update(tensors)
+        raise Stop
+
+    monkeypatch.setattr(api, "validate_device", spy)
+    a, b, out, mm = make()
+    sig = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(Stop):
+        api._make_plan(a, b, out, mm, None, None, None, None, None, sig, "expert")
+    assert set(seen) == {"a", "b", "out", "masked_m", "a_scale", "b_scale", "dst_signals"}
+    assert seen["dst_signals"] is sig and seen["out"] is out and seen["a_scale"] is None
+
+
 def test_device_out_none_skipped():
     t = cuda_tensors(a="cuda:1", b="cuda:1", masked_m="cuda:1")
     t["out"] = None
@@ -385,7 +424,7 @@ def test_device_num_sms_out_of_range(num_sms):
 @pytest.mark.parametrize("num_sms", [2.5, True, False, "8", 8.0])
 def test_device_num_sms_not_int(num_sms):
     t = cuda_tensors(a="cuda:0")
-    with pytest.raises(TypeError, match=r"^num_sms must be an int"):
+    with pytest.raises(TypeError, match=rf"^num_sms must be an int or None, got {type(num_sms).__name__}$"):
         validate_device(t, num_sms, HOPPER, SMS)
 
 
@@ -440,64 +479,72 @@ def test_public_unsupported_config_on_cpu():
 
 
 # ---------------------------------------------------------------------------
-# GemmConfig.validate
+# sm90.limits.check_config (GemmConfig.check_fields and the sm_90a budget)
 # ---------------------------------------------------------------------------
+
+BF16_OPS, FP8_OPS = Operands.BF16, Operands.FP8_BLOCK
 
 
 @pytest.mark.parametrize(
-    "cfg,pattern",
+    "cfg,operands,pattern",
     [
-        (GemmConfig(tile_m=128, consumer_warpgroups=1), r"config\.tile_m must be 64 \* consumer_warpgroups \(64\)"),
-        (GemmConfig(tile_m=64, consumer_warpgroups=2), r"config\.tile_m must be 64 \* consumer_warpgroups \(128\)"),
-        (GemmConfig(tile_n=96), r"config\.tile_n must be one of"),
-        (GemmConfig(tile_n=512), r"config\.tile_n must be one of"),
-        (GemmConfig(cluster_m=2), r"cluster shape \(2, 1\)"),
-        (GemmConfig(cluster_n=4), r"cluster shape \(1, 4\)"),
-        (GemmConfig(consumer_warpgroups=4, tile_m=256), r"config\.consumer_warpgroups must be 1, 2 or 3"),
-        (GemmConfig(consumer_warpgroups=3, tile_m=192, tile_n=256), r"tile_n must be <= 128 with 3 consumer"),
-        (GemmConfig(tile_k=32), r"config\.tile_k must be 64"),
-        (GemmConfig(stages=-1), r"config\.stages must be >= 0"),
-        (GemmConfig(stages=1), r"at least 2 pipeline stages"),
-        (GemmConfig(stages=20), r"shared\s+memory"),
-        (GemmConfig(tile_m=64, consumer_warpgroups=1, split_last_round=True),
-         r"config\.split_last_round runs each half .* consumer_warpgroups=1"),
-        (GemmConfig(split_last_round=True, dynamic=True), r"config\.split_last_round applies to the static"),
-        (GemmConfig(split_last_round=True, balance_rounds=True), r"turn off config\.dynamic"),
-        (GemmConfig(split_last_round=True, n_major=True), r"expert-major order"),
-        (GemmConfig(n_major_window=2), r"config\.n_major_window must be 0, or a power of two .*\(n_major=False\)"),
-        (GemmConfig(n_major=True, n_major_window=3), r"config\.n_major_window .* got 3"),
-        (GemmConfig(n_major=True, n_major_window=64), r"up to 32 .* got 64"),
+        (GemmConfig(tile_m=256), BF16_OPS, r"config\.tile_m must be 64, 128 or 192"),
+        (GemmConfig(tile_m=96), BF16_OPS, r"config\.tile_m must be 64, 128 or 192 .*got 96"),
+        (GemmConfig(tile_n=96), BF16_OPS, r"config\.tile_n must be one of"),
+        (GemmConfig(tile_n=512), BF16_OPS, r"config\.tile_n must be one of"),
+        (GemmConfig(cluster_n=4), BF16_OPS, r"config\.cluster_n must be 1 or 2, got 4"),
+        (GemmConfig(tile_m=192, tile_n=256), BF16_OPS, r"config\.tile_n must be <= 128 with tile_m=192"),
+        (GemmConfig(tile_m=192, tile_n=128), FP8_OPS, r"config\.tile_n must be <= 64 with tile_m=192"),
+        (GemmConfig(stages=-1), BF16_OPS, r"config\.stages must be >= 0"),
+        (GemmConfig(stages=1), BF16_OPS, r"at least 2 pipeline stages"),
+        (GemmConfig(stages=20), BF16_OPS, r"shared\s+memory"),
+        (GemmConfig(tile_m=64, tail=Tail.SPLIT), BF16_OPS,
+         r"config\.tail=SPLIT runs each half .* tile_m=64"),
+        (GemmConfig(tail=Tail.SPLIT, order=TileOrder.DYNAMIC), BF16_OPS,
+         r"config\.tail=SPLIT applies to the static order"),
+        (GemmConfig(tail=Tail.SPLIT, order=TileOrder.N_MAJOR), BF16_OPS, r"expert-major order.*order=N_MAJOR"),
+        (GemmConfig(n_major_window=2), BF16_OPS,
+         r"config\.n_major_window must be 0, or a power of two .*\(order=EXPERT_MAJOR\)"),
+        (GemmConfig(order=TileOrder.N_MAJOR, n_major_window=3), BF16_OPS, r"config\.n_major_window .* got 3"),
+        (GemmConfig(order=TileOrder.N_MAJOR, n_major_window=64), BF16_OPS, r"up to 32 .* got 64"),
+        (GemmConfig(order="dynamic"), BF16_OPS, r"config\.order must be a flashgemm\.TileOrder"),
+        (GemmConfig(tail=True), BF16_OPS, r"config\.tail must be a flashgemm\.Tail"),
     ],
 )
-def test_config_validate_rejects(cfg, pattern):
+def test_config_check_rejects(cfg, operands, pattern):
     with pytest.raises(ValueError, match=pattern):
-        cfg.validate()
+        check_config(cfg, operands)
+
+
+def test_config_check_needs_a_config():
+    with pytest.raises(TypeError, match="config must be a flashgemm.GemmConfig, got dict"):
+        check_config({"tile_m": 64}, BF16_OPS)
 
 
 @pytest.mark.parametrize(
     "cfg",
     [
         GemmConfig(),
-        GemmConfig(tile_m=64, consumer_warpgroups=1, tile_n=256),
+        GemmConfig(tile_m=64, tile_n=256),
         GemmConfig(tile_n=192),
         GemmConfig(cluster_n=2),
         GemmConfig(stages=4),
     ],
     ids=lambda c: c.short_name(),
 )
-def test_config_validate_accepts(cfg):
-    assert cfg.validate() is cfg
-    assert cfg.resolved_stages() >= 2
-    assert cfg.smem_bytes() <= 232448
+def test_config_check_accepts(cfg):
+    assert check_config(cfg, BF16_OPS) is cfg
+    assert resolved_stages(cfg, BF16_OPS) >= 2
+    assert smem_bytes(cfg, BF16_OPS) <= 232448 == SMEM_BYTES
 
 
 def test_config_auto_stages_fill_smem():
     cfg = GemmConfig()
-    s = cfg.resolved_stages()
+    s = resolved_stages(cfg, BF16_OPS)
     # one more stage would not fit
-    assert GemmConfig(stages=s).validate()
+    assert check_config(GemmConfig(stages=s), BF16_OPS)
     with pytest.raises(ValueError, match=re.escape("lower config.stages")):
-        GemmConfig(stages=s + 1).validate()
+        check_config(GemmConfig(stages=s + 1), BF16_OPS)
 
 
 @pytest.mark.parametrize(
@@ -547,11 +594,11 @@ def test_broadcast_operand_rejected(which):
 
 
 def _plan_for(a, b, out, mm):
-    from flashgemm.launcher import _LaunchPlan, _pointer_rules
+    from flashgemm.api import _LaunchPlan, _pointer_rules
 
     return _LaunchPlan(
         fn=None, num_ctas=1, layout=None, out_shape=None, out_dtype=None,
-        copy_a_scale=False,
+        copy_a_scale=False, counter_device=None,
         **_pointer_rules((a, b, mm, out, None, None, None), False),
     )
 
@@ -589,7 +636,8 @@ class _CompiledStandIn:
     def __init__(self):
         self.launches = 0
 
-    def __call__(self, a, b, out, masked_m, signals, a_scale, b_scale, counter, num_ctas):
+    def __call__(self, a, b, out, masked_m, signals, a_scale, b_scale, counter, *rest):
+        # (rest: whatever else the compiled signature takes, num_ctas last)
         e, m, _ = a.shape
         if tuple(masked_m.shape) != (e,) or tuple(out.shape) != (e, m, b.shape[1]) or out.dtype != a.dtype:
             raise ValueError("Mismatched Tensor on argument")
@@ -600,23 +648,23 @@ class _CompiledStandIn:
 def cpu_launcher(monkeypatch):
     """The launcher on CPU tensors with the device checks, the compile and the
     launch stubbed; returns the stand-in for the compiled function."""
-    from flashgemm import compile as fg_compile
-    from flashgemm import launcher
+    from flashgemm import api
+    from flashgemm.sm90 import build
 
     fn = _CompiledStandIn()
-    monkeypatch.setattr(launcher, "validate_device", lambda *args, **kw: 132)
-    monkeypatch.setattr(fg_compile, "get_kernel", lambda *args, **kw: fn)
-    monkeypatch.setattr(launcher, "_PLANS", {})
+    monkeypatch.setattr(api, "validate_device", lambda *args, **kw: 132)
+    monkeypatch.setattr(build, "get_kernel", lambda *args, **kw: fn)
+    monkeypatch.setattr(api, "_PLANS", {})
     return fn
 
 
 def test_reused_plan_explains_a_refusal_of_the_compiled_checks(cpu_launcher):
-    from flashgemm import launcher
+    from flashgemm import api
 
     a, b, out, mm = make()
-    launcher.grouped_gemm_nt_masked(a, b, out, mm)
-    launcher.grouped_gemm_nt_masked(a, b, out, mm)
-    assert cpu_launcher.launches == 2 and len(launcher._PLANS) == 1
+    api.grouped_gemm_nt_masked(a, b, out, mm)
+    api.grouped_gemm_nt_masked(a, b, out, mm)
+    assert cpu_launcher.launches == 2 and len(api._PLANS) == 1
     bad = {
         rf"^masked_m must have E={E} entries, got {E + 1}$": (a, b, out, torch.zeros(E + 1, dtype=torch.int32)),
         "^out must have dtype torch.bfloat16, got torch.float16$": (a, b, out.view(torch.float16), mm),
@@ -627,39 +675,39 @@ def test_reused_plan_explains_a_refusal_of_the_compiled_checks(cpu_launcher):
     }
     for message, args in bad.items():
         with pytest.raises((TypeError, ValueError), match=message) as info:
-            launcher.grouped_gemm_nt_masked(*args)
+            api.grouped_gemm_nt_masked(*args)
         assert isinstance(info.value.__cause__, ValueError)  # the compiled function's refusal
-    assert cpu_launcher.launches == 2 and len(launcher._PLANS) == 1
+    assert cpu_launcher.launches == 2 and len(api._PLANS) == 1
 
 
 def test_reused_plan_passes_on_a_refusal_the_full_checks_accept(cpu_launcher, monkeypatch):
-    from flashgemm import launcher
+    from flashgemm import api
 
     a, b, out, mm = make()
-    launcher.grouped_gemm_nt_masked(a, b, out, mm)
+    api.grouped_gemm_nt_masked(a, b, out, mm)
 
     def launch_failure(*args):
         raise RuntimeError("CUDA error: too many resources requested for launch")
 
-    plan = next(iter(launcher._PLANS.values()))
+    plan = next(iter(api._PLANS.values()))
     monkeypatch.setattr(plan, "fn", launch_failure)
     with pytest.raises(RuntimeError, match="too many resources"):
-        launcher.grouped_gemm_nt_masked(a, b, out, mm)
+        api.grouped_gemm_nt_masked(a, b, out, mm)
 
 
 def test_signature_key_covers_the_int32_tensors_dtypes(cpu_launcher):
     # the compiled function accepts uint32 for int32: masked_m's and
     # dst_signals' dtypes must reach the full checks through the key
-    from flashgemm import launcher
+    from flashgemm import api
 
     a, b, out, mm = make()
-    launcher.grouped_gemm_nt_masked(a, b, out, mm)
+    api.grouped_gemm_nt_masked(a, b, out, mm)
     with pytest.raises(TypeError, match="masked_m must have dtype torch.int32"):
-        launcher.grouped_gemm_nt_masked(a, b, out, mm.view(torch.uint32))
+        api.grouped_gemm_nt_masked(a, b, out, mm.view(torch.uint32))
     sig = torch.zeros(64, dtype=torch.int32)
-    launcher.grouped_gemm_nt_masked(a, b, out, mm, dst_signals=sig, signal_granularity="expert")
+    api.grouped_gemm_nt_masked(a, b, out, mm, dst_signals=sig, signal_granularity="expert")
     with pytest.raises(TypeError, match="dst_signals must have dtype torch.int32"):
-        launcher.grouped_gemm_nt_masked(a, b, out, mm, dst_signals=sig.view(torch.uint32),
+        api.grouped_gemm_nt_masked(a, b, out, mm, dst_signals=sig.view(torch.uint32),
                                         signal_granularity="expert")
     assert cpu_launcher.launches == 2
 
@@ -683,33 +731,33 @@ def test_check_no_alias_names_the_first_overlap():
     check_no_alias("x", span, {"adjacent": buf[4:8]})  # touching, not overlapping
 
 
-def test_split_last_round_config_with_signals_rejected_before_compiling(monkeypatch):
+def test_split_tail_config_with_signals_rejected_before_compiling(monkeypatch):
     # a split tile's two halves finish on two CTAs: no tile count to publish
-    from flashgemm import compile as fg_compile
-    from flashgemm import launcher
+    from flashgemm import api
+    from flashgemm.jit import cache
 
-    monkeypatch.setattr(launcher, "validate_device", lambda *args, **kw: 132)
+    monkeypatch.setattr(api, "validate_device", lambda *args, **kw: 132)
     a, b, out, mm = make()
     sig = torch.zeros(64, dtype=torch.int32)
-    cfg = GemmConfig(cluster_n=2, split_last_round=True)
-    before = fg_compile.compile_count
-    with pytest.raises(ValueError, match=r"^config\.split_last_round cannot publish dst_signals"):
-        launcher._make_plan(a, b, out, mm, None, None, None, None, cfg, sig, "expert")
-    assert fg_compile.compile_count == before
+    cfg = GemmConfig(cluster_n=2, tail=Tail.SPLIT)
+    before = cache.compile_count
+    with pytest.raises(ValueError, match=r"^config\.tail=SPLIT cannot publish dst_signals"):
+        api._make_plan(a, b, out, mm, None, None, None, None, cfg, sig, "expert")
+    assert cache.compile_count == before
 
 
 @pytest.mark.parametrize("victim", ["a", "out", "masked_m"])
 def test_dst_signals_aliasing_rejected_before_compiling(monkeypatch, victim):
     # drive the launcher's planning on CPU tensors: the device checks are
     # covered above, here they are stubbed to reach the signal checks
-    from flashgemm import compile as fg_compile
-    from flashgemm import launcher
+    from flashgemm import api
+    from flashgemm.jit import cache
 
-    monkeypatch.setattr(launcher, "validate_device", lambda *args, **kw: 132)
+    monkeypatch.setattr(api, "validate_device", lambda *args, **kw: 132)
     a, b, out, mm = make()
     tensors = {"a": a, "out": out, "masked_m": mm}
     sig = tensors[victim].view(-1)[:8].view(torch.int32)
-    before = fg_compile.compile_count
+    before = cache.compile_count
     with pytest.raises(ValueError, match=f"^dst_signals must not overlap {victim} in memory$"):
-        launcher._make_plan(a, b, out, mm, None, None, None, None, None, sig, "expert")
-    assert fg_compile.compile_count == before
+        api._make_plan(a, b, out, mm, None, None, None, None, None, sig, "expert")
+    assert cache.compile_count == before

@@ -44,6 +44,15 @@ def ensure_arch_env(arch: Optional[str] = None) -> str:
     return arch
 
 
+@functools.lru_cache(maxsize=None)
+def device_facts(index: int) -> tuple[tuple[int, int], int, str]:
+    """(compute capability, SM count, name) of CUDA device ``index``."""
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count, props.name
+
+
 def backend_name(capability: tuple[int, int]) -> Optional[str]:
     """The arch package for a GPU of this compute capability, or None."""
     return BACKENDS.get(tuple(capability))

@@ -11,16 +11,15 @@ torch tensors directly through TVM-FFI and launch on torch's current stream.
 
 from __future__ import annotations
 
-import contextlib
 import sys
-import tempfile
 import time
 from typing import Iterable, Optional
 
-from ..config import CLAIM_COUNTER_INTS, KernelSpec, Operands, TileOrder
+from ..config import CLAIM_COUNTER_INTS, Epilogue, KernelSpec, TileOrder
 from ..jit import cache
 from ..jit.arch import default_arch, ensure_arch_env
 from ..jit.key import cache_key
+from ..jit.options import compile_options
 from ..signals import DEFAULT_ROWS_PER_ITEM
 from .heuristic import reachable_specs
 from .limits import check_config
@@ -58,28 +57,25 @@ def _fake_args(ab_dtype, out_dtype):
         # weight scales (E, N/128, K/128) read element-wise: any strides
         sfa = fake(f32, (e, m, kb), (ld(f32), 1, ld(f32)), assumed_align=16)
         sfb = fake(f32, (e, nb, kb), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
-    return a, b, d, masked_m, signals, sfa, sfb
-
-
-@contextlib.contextmanager
-def _compile_options(keep_ptx: bool):
-    """TVM-FFI compile options. With keep_ptx the DSL writes the PTX to a file
-    named after the function (the same name for every config) and reads it back
-    into ``__ptx__``: give each build a private directory, so concurrent builds
-    (two test runs, two processes) never read each other's PTX."""
-    if not keep_ptx:
-        yield "--enable-tvm-ffi"
-        return
-    with tempfile.TemporaryDirectory(prefix="flashgemm-ptx-") as dump_dir:
-        yield f"--enable-tvm-ffi --keep-ptx --dump-dir {dump_dir}"
+    # Epilogue.COMBINE: the routing of each row and the token-major fp32 output
+    routing = (
+        fake(cutlass.Int32, (e, m), (cute.sym_int64(), 1), assumed_align=4),
+        fake(cutlass.Float32, (e, m), (cute.sym_int64(), 1), assumed_align=4),
+        cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), n), stride_order=(1, 0),
+                                              assumed_align=16),
+        fake(cutlass.Int32, (1,), (1,), assumed_align=4),
+    )
+    return a, b, d, masked_m, signals, sfa, sfb, routing
 
 
 def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, trace: bool = False):
     """Compile one kernel (no caching). Returns the TVM-FFI callable
-    ``fn(a, b, out, masked_m, signals, a_scale, b_scale, counter, num_ctas)``
-    (``signals`` is None without a signal mode; the scales are None for bf16;
-    ``counter``, an int32 (2,) workspace that is zero between launches, only
-    for the dynamic order, else None); with ``keep_ptx`` its ``__ptx__``
+    ``fn(a, b, out, masked_m, signals, a_scale, b_scale, counter, token_idx,
+    weight, combined, err, num_ctas)`` (``signals`` is None without a signal
+    mode; the scales are None for bf16; ``counter``, an int32 (2,) workspace
+    that is zero between launches, only for the dynamic order, else None;
+    ``out`` None and the routing tensors given only for
+    ``Epilogue.COMBINE``); with ``keep_ptx`` its ``__ptx__``
     holds the generated PTX. ``trace``: a development build whose
     ``signals`` argument is a ``flashgemm.trace`` timeline buffer (never cached)."""
     arch = ensure_arch_env(arch)
@@ -89,10 +85,14 @@ def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, 
     from .kernel import MaskedGroupedGemmSm90
 
     config, operands = spec.config, spec.operands
-    check_config(config, operands)
+    check_config(config, operands, spec.epilogue)
     ab_t, out_t = _cutlass_dtype(operands.value), _cutlass_dtype(OUT_DTYPE)
-    gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, spec.signal_mode, trace=trace)
-    a, b, d, masked_m, signals, sfa, sfb = _fake_args(ab_t, out_t)
+    gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, spec.signal_mode, trace=trace, epilogue=spec.epilogue)
+    a, b, d, masked_m, signals, sfa, sfb, routing = _fake_args(ab_t, out_t)
+    if spec.epilogue is Epilogue.COMBINE:
+        d = None
+    else:
+        routing = (None, None, None, None)
     if spec.signal_mode is None and not trace:
         # no signals tensor to pass: each tensor argument costs the call a
         # DLPack conversion and its checks (about 0.25 us on the H100 host)
@@ -100,9 +100,9 @@ def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, 
     counter = None
     if config.order is TileOrder.DYNAMIC:
         counter = cute.runtime.make_fake_tensor(cutlass.Int32, (CLAIM_COUNTER_INTS,), (1,), assumed_align=4)
-    with _compile_options(keep_ptx) as options:
+    with compile_options(keep_ptx) as options:
         fn = cute.compile(
-            gemm, a, b, d, masked_m, signals, sfa, sfb, counter, cutlass.Int32(1),
+            gemm, a, b, d, masked_m, signals, sfa, sfb, counter, *routing, cutlass.Int32(1),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options=options,
         )
@@ -126,7 +126,8 @@ def precompile(
     """Build the kernels a deployment will launch and store them in the disk
     cache (``cache_dir`` or $FLASHGEMM_CACHE_DIR), so serving never compiles.
     ``specs`` defaults to every kernel the heuristic can pick
-    (``heuristic.reachable_specs``), and the reference combine. Works without
+    (``heuristic.reachable_specs``), the MoE activation kernels and the
+    reference combine for every signalled tile height. Works without
     a GPU. Returns the number of kernels now cached."""
     arch = ensure_arch_env(arch or default_arch())
     todo = list(specs) if specs is not None else list(reachable_specs())
@@ -138,6 +139,11 @@ def precompile(
                   file=sys.stderr, flush=True)
     count = len(todo)
     if specs is None:
+        from ..moe.activation import activation_key, build as build_activation
+
+        for fp8 in (True, False):
+            cache.store(activation_key(arch, fp8), lambda: build_activation(fp8, arch), cache_dir)
+            count += 1
         for block_m in combine_block_ms(todo):
             key = combine_key(arch, block_m, DEFAULT_ROWS_PER_ITEM)
             cache.store(key, lambda: build_combine(block_m, arch, rows_per_item=DEFAULT_ROWS_PER_ITEM),
@@ -169,7 +175,7 @@ def build_combine(
     def row_major(dt, shape, align=4):
         return fake(dt, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align)
 
-    with _compile_options(keep_ptx) as options:
+    with compile_options(keep_ptx) as options:
         fn = cute.compile(
             MaskedCombineSm90(block_m, rows_per_item or DEFAULT_ROWS_PER_ITEM),
             row_major(cutlass.BFloat16, (e, m, n), 16),

@@ -46,9 +46,11 @@ class Consumer:
     def run(
         self, tidx, warp_group_idx, tiled_mma, smem: ConsumerSmem, gD_mem, out_dtype, epi_barriers,
         walk_args, feed, balance, ab_pipeline, sig_pipeline, k_tile_cnt, n_total, mTrace, trace_base,
+        combine=None,
     ):
         """Every tile's mainloop and epilogue on this warpgroup.
-        ``epi_barriers``: (epilogue barrier, consumer barrier, handoff or None)."""
+        ``epi_barriers``: (epilogue barrier, consumer barrier, handoff or None);
+        ``combine``: the ``epilogue.CombineTarget`` of ``Epilogue.COMBINE``."""
         tile_mn = (self.tile_mnk[0], self.tile_mnk[1])
         consumer_tidx = tidx - 128
         thr_mma = tiled_mma.get_slice(consumer_tidx)
@@ -82,7 +84,7 @@ class Consumer:
         epi = TileEpilogue(
             tiled_mma, accumulators, smem.sD, gD_mem, tile_mn, out_dtype, consumer_tidx,
             epi_barrier, consumer_barrier, self.config.epi_tile,
-            None if handoff is None else (handoff, warp_group_idx - 1),
+            None if handoff is None else (handoff, warp_group_idx - 1), combine,
         )
         sched, used = start_walk(self.config, walk_args, feed, None, balance)
         work = sched.work()

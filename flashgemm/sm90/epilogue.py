@@ -29,6 +29,8 @@ Why each piece is as it is, with numbers: ``docs/design.md`` (Epilogue).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -51,6 +53,18 @@ class _NoLoopState:
         return self
 
 
+class CombineTarget(NamedTuple):
+    """``Epilogue.COMBINE``: where each valid row goes, and how heavily."""
+
+    mTokenIdx: cute.Tensor  # (E, max_m) int32: the token of each dispatched row
+    mWeight: cute.Tensor  # (E, max_m) fp32: its routing weight
+    mCombined: cute.Tensor  # (T, N) fp32, contiguous: reduce-added into
+    mErr: cute.Tensor  # (1,) int32 error word: ERR_BAD_TOKEN for a token outside [0, T)
+
+
+ERR_BAD_TOKEN = 2  # (the bit the reference combine uses too)
+
+
 class TileEpilogue(_NoLoopState):
     """Consumer side: one consumer thread's epilogue state (built once per kernel)."""
 
@@ -67,8 +81,10 @@ class TileEpilogue(_NoLoopState):
         consumer_barrier: pipeline.NamedBarrier,  # the consumers alone
         epi_tile: tuple,
         handoff=None,  # Staging.WHOLE_TILE: (barriers.WarpgroupHandoff, this warpgroup's index)
+        combine=None,  # Epilogue.COMBINE: a CombineTarget
     ):
         self.accumulators = accumulators
+        self.combine = combine
         self.whole_tile = handoff is not None
         if self.whole_tile:
             self.free_barrier = handoff[0].free(handoff[1])
@@ -119,6 +135,10 @@ class TileEpilogue(_NoLoopState):
     ):
         """Store one tile; returns the advanced signal-pipeline state."""
         full, row_lo, row_hi = tile_rows(valid_rows, half, self.tile_mn[0])
+        if cutlass.const_expr(self.combine is not None):
+            # every tile leaves row by row, reduce-added into its tokens' rows
+            self._reduce_rows(expert, m_block, n_block, row_hi, n_total, row_lo)
+            return sig_state
         if cutlass.const_expr(self.whole_tile):
             self.free_barrier.arrive_and_wait()  # the last tile's stores have read our rows
         if full:
@@ -195,6 +215,60 @@ class TileEpilogue(_NoLoopState):
                         cute.copy(
                             self.tiled_copy_s2g, self.tSG_sD[(None, m, n)], tSG_gD[(None, m, n)]
                         )
+            self.consumer_barrier.arrive_and_wait()  # buffer 0 read: free again
+
+
+    @cute.jit
+    def _reduce_rows(
+        self, expert: Int32, m_block: Int32, n_block: Int32, valid_rows: Int32, n_total: Int32,
+        row_lo=None,
+    ):
+        """``Epilogue.COMBINE``: rows < valid_rows (and >= row_lo) only. As
+        ``_store_partial``, each sub-tile is staged in buffer 0 (rounded to
+        bf16, as the stored output would be) and read back in 16-byte row
+        pieces; a piece is scaled by its row's routing weight in fp32 and
+        reduce-added into its token's row of the combined output with two
+        ``red.global.add.v4.f32`` (performed in L2, in no fixed order). A
+        token outside [0, T) sets ERR_BAD_TOKEN and its row is skipped."""
+        target = self.combine
+        n_rem = n_total - n_block * self.tile_mn[1]
+        num_tokens = cute.size(target.mCombined, mode=[0])
+        passes = cute.size(self.tSG_sD, mode=[1])
+        # this thread's rows are the same in every sub-tile: read their
+        # routing once per tile (a row past m_e reads a real, unused entry)
+        tokens = cute.make_rmem_tensor((passes,), Int32)
+        weights = cute.make_rmem_tensor((passes,), cutlass.Float32)
+        row0 = m_block * self.tile_mn[0]
+        last_row = cute.size(target.mTokenIdx, mode=[1]) - 1
+        for i in cutlass.range_constexpr(passes):
+            src = cutlass.min(row0 + self.tSG_cD[(0, i, 0)][0], last_row)
+            tokens[i] = target.mTokenIdx[expert, src]
+            weights[i] = target.mWeight[expert, src]
+        piece = cute.make_rmem_tensor((8,), self.out_dtype)
+        vals = cute.make_rmem_tensor((8,), cutlass.Float32)
+        for epi_idx in cutlass.range_constexpr(epi_tile_count(self.tile_mn)):
+            self._stage(epi_idx, 0)
+            self.consumer_barrier.arrive_and_wait()  # sub-tile staged
+            for i in cutlass.range_constexpr(passes):
+                for n in cutlass.range_constexpr(cute.size(self.tSG_sD, mode=[2])):
+                    row, col = self.tSG_cD[(0, i, n)]
+                    keep = (row < valid_rows) & (epi_idx * self.epi_tile[1] + col < n_rem)
+                    if cutlass.const_expr(row_lo is not None):
+                        keep = keep & (row >= row_lo)
+                    if keep:
+                        token = tokens[i]
+                        if (token >= 0) & (token < num_tokens):
+                            cute.autovec_copy(self.tSG_sD[(None, i, n)], piece)
+                            vals.store(piece.load().to(cutlass.Float32) * weights[i])
+                            dst = target.mCombined.iterator + (
+                                token * n_total + n_block * self.tile_mn[1] + epi_idx * self.epi_tile[1] + col
+                            )
+                            for h in cutlass.range_constexpr(2):  # two 16-byte reductions
+                                quad = cute.local_tile(vals, (4,), (h,)).load()
+                                cute.arch.red(dst + 4 * h, quad.ir_value(), op="add", dtype="f32",
+                                              sem="relaxed", scope="gpu")
+                        else:
+                            cute.arch.atomic_or(target.mErr.iterator, Int32(ERR_BAD_TOKEN))
             self.consumer_barrier.arrive_and_wait()  # buffer 0 read: free again
 
 

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from ..config import (
     SIGNAL_MODES,
+    Epilogue,
     GemmConfig,
     KernelSpec,
     Operands,
@@ -195,8 +196,11 @@ def _fp8_hint(cfg: GemmConfig, f: Facts) -> bool:
     )
 
 
-def _finish(cfg: GemmConfig, fp8: bool, hint: bool, signals: bool, single_cta: bool) -> GemmConfig:
-    """The rules after the table: L2 hints, what signals change, one SM."""
+def _finish(
+    cfg: GemmConfig, fp8: bool, hint: bool, signals: bool, single_cta: bool, combine: bool = False
+) -> GemmConfig:
+    """The rules after the table: L2 hints, what signals or a fused combine
+    change, one SM."""
     if hint:
         cfg = cfg.replace(l2_hints=True)
     if signals and cfg.order is TileOrder.N_MAJOR:
@@ -205,6 +209,9 @@ def _finish(cfg: GemmConfig, fp8: bool, hint: bool, signals: bool, single_cta: b
     if signals and cfg.tail is Tail.SPLIT:
         # a split tile's halves finish on two CTAs, and a signal counts tiles
         cfg = cfg.replace(tail=Tail.BALANCE if fp8 else Tail.NONE)
+    if combine and cfg.staging is Staging.WHOLE_TILE:
+        # the fused combine's rows leave one by one: no whole-tile staging
+        cfg = cfg.replace(staging=Staging.PAIR)
     if single_cta:
         cfg = cfg.replace(cluster_n=1)
     return cfg
@@ -219,21 +226,24 @@ def choose_config(
     fp8: bool = False,
     num_experts: Optional[int] = None,
     signals: bool = False,
+    combine: bool = False,
 ) -> GemmConfig:
     """Pick a configuration from host-side facts only. ``signals``: the call
-    publishes completion signals."""
+    publishes completion signals; ``combine``: its epilogue is the fused
+    combine (``Epilogue.COMBINE``)."""
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     facts = Facts(m, n, k, num_sms, num_experts)
     operands = Operands.FP8_BLOCK if fp8 else Operands.BF16
     regime = next(r for r in regimes(operands) if m <= r.up_to_m)
     cfg = regime.pick(facts)
     hint = fp8 and _fp8_hint(cfg, facts)
-    return _finish(cfg, fp8, hint, signals, num_sms < cfg.cluster_n)
+    return _finish(cfg, fp8, hint, signals and not combine, num_sms < cfg.cluster_n, combine)
 
 
 def reachable_specs(operands: Optional[Operands] = None) -> tuple[KernelSpec, ...]:
     """Every kernel ``choose_config`` can pick, with the signal modes each
-    can be launched with (tests sweep the heuristic to show the sets equal)."""
+    can be launched with, and the fused-combine builds (tests sweep the
+    heuristic to show the sets equal)."""
     specs = []
     for ops in [operands] if operands else list(Operands):
         fp8 = ops is Operands.FP8_BLOCK
@@ -246,12 +256,15 @@ def reachable_specs(operands: Optional[Operands] = None) -> tuple[KernelSpec, ..
                 if fp8 and not (regime.up_to_m * M_SPREAD > cfg.tile_m):
                     hints.discard(False)
                 for hint in sorted(hints):
-                    for signals in (False, True):
+                    for use in ("plain", "signals", "combine"):
                         for single in (False, True):
                             if single and cfg is regime.alternative and not regime.alternative_on_one_sm:
                                 continue
-                            final = _finish(cfg, fp8, hint, signals, single)
-                            modes = SIGNAL_MODES[1:] if signals else SIGNAL_MODES[:1]
+                            final = _finish(cfg, fp8, hint, use == "signals", single, use == "combine")
+                            if use == "combine":
+                                specs.append(KernelSpec(final, ops, None, Epilogue.COMBINE))
+                                continue
+                            modes = SIGNAL_MODES[1:] if use == "signals" else SIGNAL_MODES[:1]
                             specs.extend(KernelSpec(final, ops, mode) for mode in modes)
             lower = regime.up_to_m + 1
     return tuple(dict.fromkeys(specs))

@@ -14,13 +14,14 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
 from cutlass.tensor_utils.layout import LayoutEnum
 
-from ..config import FP8_SLOT_WEIGHT_SCALES, GemmConfig, Operands, Staging, Tail, TileOrder
+from ..config import FP8_SLOT_WEIGHT_SCALES, Epilogue, GemmConfig, Operands, Staging, Tail, TileOrder
 from ..schedule.dynamic import FEED_STAGES, TileFeed, reader_warps
 from .. import trace as tr
 from . import barriers
 from .consumer import Consumer, ConsumerSmem
-from .epilogue import SIGNAL_STAGES
-from .limits import PRODUCER_REGS, consumer_regs, resolved_stages
+from .epilogue import SIGNAL_STAGES, CombineTarget
+from .limits import PRODUCER_REGS, SMEM_BYTES, consumer_regs, resolved_stages
+from .storage import shared_storage
 from .producer import Producer, ProducerLoads
 from .storer import TileStorer, run_store_warp
 from .walk import BalanceSlot, KernelShape, ProducerClaims, WalkArgs
@@ -77,7 +78,10 @@ class MaskedGroupedGemmSm90:
     into L2.
     """
 
-    def __init__(self, config: GemmConfig, ab_dtype, out_dtype, signal_mode=None, trace=False):
+    def __init__(
+        self, config: GemmConfig, ab_dtype, out_dtype, signal_mode=None, trace=False,
+        epilogue: Epilogue = Epilogue.STORE,
+    ):
         """signal_mode: None, "m_block" or "expert" (see ``signals.py``).
         trace: development builds only; the signals argument is then the
         timeline buffer of ``flashgemm.trace`` (no signals)."""
@@ -86,7 +90,11 @@ class MaskedGroupedGemmSm90:
         if config.tail is Tail.SPLIT and signal_mode is not None:
             # a tile's two halves finish on two CTAs; the signal counts tiles
             raise ValueError("config.tail=SPLIT builds take no signal_mode")
+        if epilogue is Epilogue.COMBINE and (signal_mode is not None or trace
+                                             or config.staging is not Staging.PAIR):
+            raise ValueError("an Epilogue.COMBINE build takes no signals, no trace and Staging.PAIR")
         self.config = config
+        self.epilogue = epilogue
         self.signal_mode = signal_mode
         self.trace = trace
         self.ab_dtype = ab_dtype
@@ -94,7 +102,7 @@ class MaskedGroupedGemmSm90:
         self.acc_dtype = cutlass.Float32
         operands = Operands.FP8_BLOCK if ab_dtype.width == 8 else Operands.BF16
         self.tile_mnk = config.tile_mnk(operands)
-        self.stages = resolved_stages(config, operands)
+        self.stages = resolved_stages(config, operands, epilogue)
         self.epi_stages = config.epi_buffers
         self.num_consumer_wg = config.consumer_warpgroups
         self.num_consumer_threads = 128 * self.num_consumer_wg
@@ -161,29 +169,9 @@ class MaskedGroupedGemmSm90:
         return cute.make_layout((self.tile_mnk[0], 1, self.stages))
 
     def _shared_storage(self):
-        """The CTA's shared memory (plain Python: the struct differs by dtype)."""
-        stages, ab, out = self.stages, self.ab_dtype, self.out_dtype
-        a_size, b_size = cute.cosize(self.a_smem_layout), cute.cosize(self.b_smem_layout)
-        d_size = cute.cosize(self.d_smem_layout)
-        sfa_size = cute.cosize(self._sfa_smem_layout()) if self.block_scaled else 4
-        sfb_size = cute.cosize(self._sfb_smem_layout()) if self.block_scaled else 4
-
-        fields = {  # (annotations are strings in this module: build them explicitly)
-            "ab_mbar": cute.struct.MemRange[cutlass.Int64, stages * 2],
-            "sig_mbar": cute.struct.MemRange[cutlass.Int64, SIGNAL_STAGES * 2],
-            "sA": cute.struct.Align[cute.struct.MemRange[ab, a_size], 1024],
-            "sB": cute.struct.Align[cute.struct.MemRange[ab, b_size], 1024],
-            "sD": cute.struct.Align[cute.struct.MemRange[out, d_size], 1024],
-            "sSFA": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, sfa_size], 128],
-            # block-scaled fp8: each slot's weight scales, copied in by the producer
-            "sSFB": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, sfb_size], 16],
-        }
-        if self.config.tail is Tail.BALANCE and self.config.order is not TileOrder.N_MAJOR:
-            fields["active"] = cute.struct.MemRange[Int32, 1]  # the producer's count
-        if self.config.order is TileOrder.DYNAMIC:
-            fields["feed_mbar"] = cute.struct.MemRange[cutlass.Int64, 2 * FEED_STAGES]
-            fields["feed_slots"] = cute.struct.Align[cute.struct.MemRange[Int32, FEED_STAGES], 16]
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        return shared_storage(self.config, self.ab_dtype, self.out_dtype, self.stages, self.a_smem_layout,
+                              self.b_smem_layout, self.d_smem_layout, self._sfa_smem_layout(),
+                              self._sfb_smem_layout(), self.block_scaled)
 
     @cute.jit
     def __call__(
@@ -196,13 +184,17 @@ class MaskedGroupedGemmSm90:
         mSFA: cute.Tensor,  # fp8: (E, max_m, ceil(K/128)) fp32, M contiguous; else None
         mSFB: cute.Tensor,  # fp8: (E, ceil(N/128), ceil(K/128)) fp32; else None
         mCounter: cute.Tensor,  # dynamic: (2,) int32 claim counter, zero between launches; else None
+        mTokenIdx: cute.Tensor,  # Epilogue.COMBINE (else None): (E, max_m) int32
+        mWeight: cute.Tensor,  # (E, max_m) fp32
+        mCombined: cute.Tensor,  # (T, N) fp32
+        mErr: cute.Tensor,  # (1,) int32
         num_ctas: Int32,
         stream,
     ):
         self._make_layouts()
         mA_mkl = _batch_last(mA)
         mB_nkl = _batch_last(mB)
-        mD_mnl = _batch_last(mD)
+        mD_mnl = None if mD is None else _batch_last(mD)
         tma_atom_sfa, mSFA_tma, mSFB_nkl = None, None, None
         if cutlass.const_expr(self.block_scaled):
             tma_atom_sfa, mSFA_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
@@ -231,14 +223,18 @@ class MaskedGroupedGemmSm90:
             b_smem_one,
             (self.tile_mnk[1], self.tile_mnk[2]),
         )
-        tma_atom_d, mD_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
-            mD_mnl,
-            d_store_one,
-            self.d_store_box,
-        )
+        tma_atom_d, mD_tma = None, None
+        if cutlass.const_expr(mD is not None):
+            tma_atom_d, mD_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+                mD_mnl,
+                d_store_one,
+                self.d_store_box,
+            )
 
         self.shared_storage = self._shared_storage()
+        if cutlass.const_expr(self.shared_storage.size_in_bytes() > SMEM_BYTES):  # (limits undercounted)
+            raise ValueError(f"{self.shared_storage.size_in_bytes()} bytes of shared memory; sm_90 allows {SMEM_BYTES}")
 
         self.kernel(
             tma_atom_a,
@@ -254,6 +250,10 @@ class MaskedGroupedGemmSm90:
             mSFA_tma,
             mSFB_nkl,
             mCounter,
+            mTokenIdx,
+            mWeight,
+            mCombined,
+            mErr,
             self.tiled_mma,
             self.a_smem_layout,
             self.b_smem_layout,
@@ -284,6 +284,10 @@ class MaskedGroupedGemmSm90:
         mSFA_tma,
         mSFB: cute.Tensor,  # (E, N/128, K/128)
         mCounter,  # dynamic only (else None)
+        mTokenIdx,  # Epilogue.COMBINE only (else None)
+        mWeight,
+        mCombined,
+        mErr,
         tiled_mma: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
@@ -304,7 +308,8 @@ class MaskedGroupedGemmSm90:
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_d)
+            if cutlass.const_expr(tma_atom_d is not None):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_d)
             if cutlass.const_expr(self.block_scaled):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_sfa)
 
@@ -364,8 +369,10 @@ class MaskedGroupedGemmSm90:
         # (BM, BK, RestM, RestK, E) / (BN, BK, RestN, RestK, E) / (BM, BN, RestM, RestN, E)
         gA = cute.local_tile(mA_mkl, cute.slice_(self.tile_mnk, (None, 0, None)), (None, None, None))
         gB = cute.local_tile(mB_nkl, cute.slice_(self.tile_mnk, (0, None, None)), (None, None, None))
-        gD_tma = cute.local_tile(mD_tma, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
-        gD_mem = cute.local_tile(mD_mnl, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+        gD_tma, gD_mem = None, None
+        if cutlass.const_expr(mD_tma is not None):
+            gD_tma = cute.local_tile(mD_tma, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
+            gD_mem = cute.local_tile(mD_mnl, cute.slice_(self.tile_mnk, (None, None, 0)), (None, None, None))
 
         if cutlass.const_expr(self.a_chunk > 0):
             # (TMA, chunks, 1, stages) / (TMA, RestM in chunks, RestK, E):
@@ -470,10 +477,12 @@ class MaskedGroupedGemmSm90:
                 )
             if warp_idx == 1:
                 # the store warp: bulk stores and signals, off the wgmma warps
-                storer = TileStorer(
-                    sD_store, tma_atom_d, gD_tma, tile_mn, self.epi_tile,
-                    cute.arch.lane_idx() == 0, epi_barrier, handoff,
-                )
+                storer = None  # Epilogue.COMBINE: the consumers reduce every row
+                if cutlass.const_expr(self.epilogue is Epilogue.STORE):
+                    storer = TileStorer(
+                        sD_store, tma_atom_d, gD_tma, tile_mn, self.epi_tile,
+                        cute.arch.lane_idx() == 0, epi_barrier, handoff,
+                    )
                 run_store_warp(
                     self.config, storer, self.signal_mode, walk_args, feed, balance, sig_pipeline,
                     mSignals, num_m_slots, num_n_blocks, mTrace, trace_base,
@@ -484,4 +493,5 @@ class MaskedGroupedGemmSm90:
                 tidx, warp_group_idx, tiled_mma, ConsumerSmem(sA, sB, sD, sSFA, sSFB), gD_mem,
                 self.out_dtype, (epi_barrier, consumer_barrier, handoff), walk_args, feed, balance,
                 ab_pipeline, sig_pipeline, k_tile_cnt, n_total, mTrace, trace_base,
+                None if self.epilogue is Epilogue.STORE else CombineTarget(mTokenIdx, mWeight, mCombined, mErr),
             )

@@ -7,12 +7,13 @@ same numbers the kernel's shared storage uses.
 
 from __future__ import annotations
 
-from ..config import FP8_SLOT_WEIGHT_SCALES, GemmConfig, Operands, Promotion
+from ..config import FP8_SLOT_WEIGHT_SCALES, Epilogue, GemmConfig, Operands, Promotion, Staging
 
 # 227 KiB of dynamic shared memory per CTA (the sm_90 opt-in limit).
 SMEM_BYTES = 232448
-# mbarriers and alignment slack kept out of the operand ring.
-SMEM_RESERVED_BYTES = 1024
+# Kept out of the operand ring: the mbarriers before it and the small fields
+# after the staging area (scales, counts, the claim feed), with their alignment.
+SMEM_RESERVED_BYTES = 2048
 # setmaxnreg: the producer warpgroup only walks the scheduler and issues TMA.
 PRODUCER_REGS = 40
 
@@ -36,24 +37,26 @@ def stage_bytes(cfg: GemmConfig, operands: Operands) -> int:
     return operand_bytes
 
 
-def epi_bytes(cfg: GemmConfig, out_elem_bytes: int = 2) -> int:
+def epi_bytes(cfg: GemmConfig, epilogue: Epilogue = Epilogue.STORE) -> int:
+    """The bf16 output staging (the fused combine stages its rows there too)."""
     em, en = cfg.epi_tile
-    return em * en * out_elem_bytes * cfg.epi_buffers
+    return em * en * 2 * cfg.epi_buffers
 
 
-def resolved_stages(cfg: GemmConfig, operands: Operands) -> int:
+def resolved_stages(cfg: GemmConfig, operands: Operands, epilogue: Epilogue = Epilogue.STORE) -> int:
     """Stages actually used: the explicit count, or as many as fit."""
     if cfg.stages:
         return cfg.stages
-    free = SMEM_BYTES - SMEM_RESERVED_BYTES - epi_bytes(cfg)
+    free = SMEM_BYTES - SMEM_RESERVED_BYTES - epi_bytes(cfg, epilogue)
     return max(free // stage_bytes(cfg, operands), 0)
 
 
-def smem_bytes(cfg: GemmConfig, operands: Operands) -> int:
-    return SMEM_RESERVED_BYTES + resolved_stages(cfg, operands) * stage_bytes(cfg, operands) + epi_bytes(cfg)
+def smem_bytes(cfg: GemmConfig, operands: Operands, epilogue: Epilogue = Epilogue.STORE) -> int:
+    return (SMEM_RESERVED_BYTES + resolved_stages(cfg, operands, epilogue) * stage_bytes(cfg, operands)
+            + epi_bytes(cfg, epilogue))
 
 
-def check_config(cfg: GemmConfig, operands: Operands) -> GemmConfig:
+def check_config(cfg: GemmConfig, operands: Operands, epilogue: Epilogue = Epilogue.STORE) -> GemmConfig:
     """Raise ValueError naming the field if ``cfg`` cannot be built for sm_90a."""
     if not isinstance(cfg, GemmConfig):
         raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(cfg).__name__}")
@@ -71,12 +74,15 @@ def check_config(cfg: GemmConfig, operands: Operands) -> GemmConfig:
     if cfg.promotion is Promotion.OVERLAPPED and cfg.tile_n > 128:
         # three accumulator sets: 3 * tile_n / 2 registers per thread
         raise ValueError(f"config.tile_n must be <= 128 with promotion=OVERLAPPED, got {cfg.tile_n}")
-    n_stages = resolved_stages(cfg, operands)
+    if epilogue is Epilogue.COMBINE and cfg.staging is not Staging.PAIR:
+        raise ValueError("config.staging must be Staging.PAIR with the fused combine "
+                         f"(its rows are staged sub-tile by sub-tile), got {cfg.staging.name}")
+    n_stages = resolved_stages(cfg, operands, epilogue)
     if n_stages < 2:
         raise ValueError(f"config needs at least 2 pipeline stages; {n_stages} fit in shared memory")
-    if smem_bytes(cfg, operands) > SMEM_BYTES:
+    if smem_bytes(cfg, operands, epilogue) > SMEM_BYTES:
         raise ValueError(
-            f"config uses {smem_bytes(cfg, operands)} bytes of shared memory; sm_90 allows "
+            f"config uses {smem_bytes(cfg, operands, epilogue)} bytes of shared memory; sm_90 allows "
             f"{SMEM_BYTES} (lower config.stages)"
         )
     return cfg

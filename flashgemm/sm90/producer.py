@@ -15,7 +15,6 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32
 
 from ..config import TileOrder
 from ..schedule.nmajor import NMajorTileScheduler

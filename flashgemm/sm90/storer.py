@@ -168,7 +168,9 @@ def run_store_warp(
     sig_pipeline, mSignals, num_m_slots, num_n_blocks, mTrace, trace_base,
 ):
     """The store warp's walk: every tile's bulk stores and signal, then the
-    full wait for the last stores before the CTA exits."""
+    full wait for the last stores before the CTA exits. ``storer`` None
+    (``Epilogue.COMBINE``: the consumers reduce every row themselves): the
+    walk alone, which the dynamic feed and the balance barrier count on."""
     sched, used = start_walk(config, walk_args, feed, None, balance)
     work = sched.work()
     sig_state = None
@@ -180,13 +182,15 @@ def run_store_warp(
             index = work.expert * num_m_slots + work.m_block
         # a cluster's tile past N stores and signals nothing
         index = cutlass.select_(work.n_block < num_n_blocks, index, Int32(-1))
-        sig_state = storer.store(
-            work.expert, work.m_block, work.n_block, work.valid_rows,
-            index, mSignals, sig_pipeline, sig_state, work.half,
-        )
+        if cutlass.const_expr(storer is not None):
+            sig_state = storer.store(
+                work.expert, work.m_block, work.n_block, work.valid_rows,
+                index, mSignals, sig_pipeline, sig_state, work.half,
+            )
         used = to_next_unit(config, sched, feed, used)
         work = sched.work()
-    storer.tail()
+    if cutlass.const_expr(storer is not None):
+        storer.tail()
     if cutlass.const_expr(mTrace is not None):
         if cute.arch.lane_idx() == 0:
             mTrace[trace_base + tr.STORER_END] = cute.arch.globaltimer_lo()

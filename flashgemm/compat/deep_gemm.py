@@ -1,0 +1,84 @@
+"""DeepGEMM's masked grouped GEMMs with its argument conventions.
+
+``m_grouped_fp8_gemm_nt_masked((a, sfa), (b, sfb), d, masked_m, expected_m)``
+and ``m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m)`` compute
+what DeepGEMM's do (Hopper: fp32 1x128 / 128x128 scales; ``sfa`` M-major as
+DeepGEMM wants it is read in place). The overlap form that SGLang's
+single-batch overlap calls (``enable_overlap=True, signal=...``) publishes a
+counter per (expert, 64-row block) that reaches exactly ``threshold`` =
+ceil(N / block_n) once the block's rows are final, and returns
+``(block_m, threshold)`` with ``block_m == 64``: what DeepEP's overlapping
+combine asserts on the host and waits for (counter *equal* to the threshold;
+the caller zeroes the counters before each call, as there).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..api import grouped_gemm_nt_masked
+from ..jit.arch import device_facts
+from ..sm90.heuristic import choose_config
+
+OVERLAP_BLOCK_M = 64  # DeepEP's overlapping combine asserts 64-row blocks
+_DECODE_M = 1  # any expected_m <= 48 picks the heuristic's 64-row decode tile
+
+
+def _overlap_config(a, b, num_sms, fp8):
+    """The heuristic's 64-row tile for a signalled call: its signal counts
+    64-row blocks, whatever expected_m is."""
+    e_count, max_m, k = a.shape
+    sms = num_sms or device_facts(a.device.index)[1]
+    cfg = choose_config(_DECODE_M, max_m, b.shape[1], k, sms, fp8, e_count, signals=True)
+    if cfg.tile_m != OVERLAP_BLOCK_M:  # (the decode regime's tiles are 64 rows high)
+        raise RuntimeError(f"the overlap form needs {OVERLAP_BLOCK_M}-row tiles, the heuristic gave {cfg.tile_m}")
+    return cfg
+
+
+def _run(a, b, d, masked_m, expected_m, a_scale, b_scale, enable_overlap, signal, num_sms):
+    if not enable_overlap:
+        if signal is not None:
+            raise ValueError("signal is only for enable_overlap=True")
+        grouped_gemm_nt_masked(a, b, d, masked_m, a_scale=a_scale, b_scale=b_scale,
+                               expected_m=expected_m, num_sms=num_sms)
+        return None
+    if signal is None:
+        raise ValueError("enable_overlap=True needs signal: int32 [E * ceil(max_m / 64)] counters, zeroed")
+    cfg = _overlap_config(a, b, num_sms, a_scale is not None)
+    _, layout = grouped_gemm_nt_masked(
+        a, b, d, masked_m, a_scale=a_scale, b_scale=b_scale, expected_m=expected_m, num_sms=num_sms,
+        config=cfg, dst_signals=signal, signal_granularity="m_block",
+    )
+    return layout.block_m, layout.n_tiles
+
+
+def m_grouped_fp8_gemm_nt_masked(
+    a: tuple, b: tuple, d: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
+    recipe=None, compiled_dims: str = "nk", disable_ue8m0_cast: bool = False,
+    enable_overlap: bool = False, signal: Optional[torch.Tensor] = None, max_block_n: int = 256,
+    num_sms: Optional[int] = None,
+):
+    """``d[e, :m_e] = (a[0] * a[1]) @ (b[0] * b[1]).T`` per 1x128 / 128x128
+    block. ``recipe``, ``compiled_dims``, ``disable_ue8m0_cast`` and
+    ``max_block_n`` are accepted for signature compatibility: the scales are
+    fp32 as on Hopper, and the tile choice is flashgemm's. Returns None, or
+    ``(block_m, threshold)`` with ``enable_overlap``."""
+    if recipe not in (None, (1, 128, 128)):
+        raise ValueError(f"recipe must be None or (1, 128, 128) (1x128 / 128x128 blocks), got {recipe!r}")
+    (a_fp8, sfa), (b_fp8, sfb) = a, b
+    return _run(a_fp8, b_fp8, d, masked_m, expected_m, sfa, sfb, enable_overlap, signal, num_sms)
+
+
+def m_grouped_bf16_gemm_nt_masked(
+    a: torch.Tensor, b: torch.Tensor, d: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
+    compiled_dims: str = "nk", enable_overlap: bool = False, signal: Optional[torch.Tensor] = None,
+    max_block_n: int = 256, num_sms: Optional[int] = None,
+):
+    """``d[e, :m_e] = a[e, :m_e] @ b[e].T`` in bf16 (fp32 accumulation)."""
+    return _run(a, b, d, masked_m, expected_m, None, None, enable_overlap, signal, num_sms)
+
+
+# DeepGEMM's older name for the fp8 entry point
+fp8_m_grouped_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked

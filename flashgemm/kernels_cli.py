@@ -1,0 +1,105 @@
+"""``python -m flashgemm compile``: build every kernel the package can launch
+and list the PTX features found in each; and the GPU check the demo uses."""
+
+from __future__ import annotations
+
+import re
+import time
+
+PTX_FEATURES = {
+    "wgmma": "wgmma.mma_async",
+    "fp8-wgmma": ".e4m3.e4m3",
+    "tma-load": "cp.async.bulk.tensor.3d.shared::cta.global",
+    "tma-store": "cp.async.bulk.tensor.3d.global.shared::cta",
+    "setmaxnreg": "setmaxnreg",
+    "stmatrix": "stmatrix",
+    "bulk-reduce": "cp.reduce.async.bulk",
+    "acquire-poll": "ld.acquire.gpu",
+    "combine-reduce": "red.relaxed.gpu.global.add.v4.f32",
+    "fp8-cvt": "cvt.rn.satfinite.e4m3x2.f32",
+}
+# A signalled kernel's publishing sequence, in this order: the bulk stores
+# complete (the full wait, not ``.read``), the async-proxy writes are fenced
+# before generic operations, then the GPU-scope release add.
+SIGNAL_SEQUENCE = re.compile(
+    r"cp\.async\.bulk\.wait_group\s+0;\s*fence\.proxy\.async\.global;"
+    r"[^;]*(?:;[^;]*){0,8}?red\.release\.gpu\.global\.add\.s32"
+)
+
+
+def ptx_features(ptx: str) -> list[str]:
+    feats = [name for name, needle in PTX_FEATURES.items() if needle in ptx]
+    if SIGNAL_SEQUENCE.search(ptx):
+        feats.append("signal-publish")
+    return feats
+
+
+def hopper_gpu():
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, "no CUDA GPU found"
+    cap = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    if cap != (9, 0):
+        return None, f"found {name} (sm_{cap[0]}{cap[1]}), but the kernels need sm_90"
+    return name, ""
+
+
+def cmd_compile(args) -> int:
+    """Build (and with ``--cache-dir`` store) every kernel the package can
+    launch, one line each with the PTX features found; exit 1 if a kernel
+    lacks what it must have."""
+    from .config import Epilogue
+    from .jit import cache
+    from .jit.arch import ensure_arch_env
+    from .jit.key import cache_key
+    from .moe.activation import activation_key, build as build_activation
+    from .signals import DEFAULT_ROWS_PER_ITEM
+    from .sm90.build import build, build_combine, combine_block_ms, combine_key
+    from .sm90.heuristic import reachable_specs
+
+    arch = ensure_arch_env(args.arch)
+    cache_dir = getattr(args, "cache_dir", None)
+    specs = [s for s in reachable_specs() if not args.match or args.match in s.name()]
+    block_ms = [] if args.match else combine_block_ms(reachable_specs())
+    activations = [True, False] if not args.match or getattr(args, "moe", False) else []
+    jobs = [(s.name(), cache_key(arch, s), lambda s=s: build(s, arch, keep_ptx=True), s) for s in specs]
+    jobs += [(f"combine-block_m{m}-rows{DEFAULT_ROWS_PER_ITEM}", combine_key(arch, m, DEFAULT_ROWS_PER_ITEM),
+              lambda m=m: build_combine(m, arch, keep_ptx=True, rows_per_item=DEFAULT_ROWS_PER_ITEM), "combine")
+             for m in block_ms]
+    jobs += [(f"moe-silu_mul-{'fp8' if fp8 else 'bf16'}", activation_key(arch, fp8),
+              lambda fp8=fp8: build_activation(fp8, arch, keep_ptx=True), fp8) for fp8 in activations]
+    print(f"compiling the {len(jobs)} kernels flashgemm can launch on {arch}: {len(specs)} GEMMs "
+          f"(every configuration the heuristic picks x signal mode or fused combine), "
+          f"{len(activations)} MoE activations and {len(block_ms)} reference combines (no GPU needed)"
+          + (f", into {cache_dir}" if cache_dir else ""), flush=True)
+    ok = True
+    t_all = time.perf_counter()
+    for i, (name, key, make, what) in enumerate(jobs):
+        t0 = time.perf_counter()
+        fn = cache.store(key, make, cache_dir) if cache_dir else make()
+        ptx = getattr(fn, "__ptx__", None)
+        if ptx is None:  # loaded from the cache directory: no PTX to read
+            print(f"  [{i + 1:3d}/{len(jobs)}] {name:58s} {time.perf_counter() - t0:5.1f} s  (in the cache)",
+                  flush=True)
+            continue
+        feats = ptx_features(ptx)
+        if what == "combine":
+            ok &= "bulk-reduce" in feats and "acquire-poll" in feats
+        elif isinstance(what, bool):
+            ok &= ("fp8-cvt" in feats) == what
+        else:
+            ok &= "wgmma" in feats and "tma-load" in feats
+            if what.signal_mode is not None:
+                ok &= "signal-publish" in feats
+            if what.epilogue is Epilogue.COMBINE:
+                ok &= "combine-reduce" in feats and "tma-store" not in feats
+        print(f"  [{i + 1:3d}/{len(jobs)}] {name:58s} {time.perf_counter() - t0:5.1f} s  "
+              f"PTX: {', '.join(feats) or '-'}", flush=True)
+    secs = time.perf_counter() - t_all
+    print(f"done in {secs:.0f} s", flush=True)
+    if cache_dir:
+        print(f"{len(jobs)} kernels for {arch} in {cache_dir} ({secs:.1f} s); "
+              f"use them with FLASHGEMM_CACHE_DIR={cache_dir}")
+    return 0 if ok else 1

@@ -1,0 +1,109 @@
+"""SwiGLU activation with fp8 quantization, in the masked layout (device kernel).
+
+``h[e, r, j] = silu(gu[e, r, j]) * gu[e, r, I + j]`` for the valid rows
+r < m_e of every expert, written as the down projection's input: block-scaled
+fp8 e4m3 with one fp32 scale per row and 128 columns (the 1x128 recipe), the
+scales in the M-contiguous layout the GEMM loads in place; or plain bf16.
+Rows >= m_e are never read or written. The kernel is arch-neutral (plain
+loads, stores and shuffles) and compiles for sm_90a and sm_100a alike.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ..schedule.walker import MaskedTileScheduler
+
+FP8_MAX = 448.0
+MIN_AMAX = 1e-10  # an all-zero block still gets a finite scale (as quant.py)
+THREADS = 256
+VEC = 8  # bf16 elements per 16-byte load
+LANES_PER_BLOCK = 128 // VEC  # 16 lanes cover one 128-column scale block
+ROWS_PER_UNIT = 4  # rows of one expert per unit of the persistent walk
+
+
+class SiluMulQuant:
+    """Persistent elementwise kernel.
+
+    Warp roles: none; every warp does the same work. Units are
+    ``ROWS_PER_UNIT``-row slices of the valid rows, walked expert-major by
+    the GEMM's masked walker (one n-group) and dealt round-robin to the CTAs,
+    so no CTA looks at padding rows. In a unit, each warp takes (row, 256
+    columns) pieces in turn: a lane loads 8 gate and 8 up values (16 bytes
+    each), computes silu(gate) * up in fp32, and for fp8 the 16 lanes of a
+    128-column block reduce their |max| with butterfly shuffles; the lanes
+    store 8 fp8 bytes each and the block's first lane its scale. No shared
+    memory, no pipelines.
+    """
+
+    def __init__(self, fp8: bool):
+        self.fp8 = fp8
+
+    @cute.jit
+    def __call__(
+        self,
+        mGU: cute.Tensor,  # (E, max_m, 2I) bf16, the gate_up output: gate columns, then up
+        mMaskedM: cute.Tensor,  # (E,) int32
+        mOut: cute.Tensor,  # (E, max_m, I) fp8 e4m3 or bf16
+        mScale: cute.Tensor,  # fp8: (E, max_m, I/128) fp32, M contiguous; else None
+        num_ctas: Int32,
+        stream,
+    ):
+        self.kernel(mGU, mMaskedM, mOut, mScale).launch(
+            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mGU: cute.Tensor, mMaskedM: cute.Tensor, mOut: cute.Tensor, mScale: cute.Tensor):
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        num_experts = cute.size(mGU, mode=[0])
+        max_m = cute.size(mGU, mode=[1])
+        inter = cute.size(mOut, mode=[2])
+        chunks = inter // VEC  # 8-column chunks of a row
+        pieces_per_row = (chunks + 31) // 32  # a warp piece: 256 columns (the last may be half)
+        gate = cute.make_rmem_tensor((VEC,), mGU.element_type)
+        up = cute.make_rmem_tensor((VEC,), mGU.element_type)
+        hv = cute.make_rmem_tensor((VEC,), Float32)
+        sched = MaskedTileScheduler.create(
+            mMaskedM, num_experts, max_m, Int32(1), ROWS_PER_UNIT, bidx, gdim
+        )
+        work = sched.work()
+        while work.is_valid:
+            e = work.expert
+            row0 = work.m_block * ROWS_PER_UNIT
+            for p in cutlass.range(warp, work.valid_rows * pieces_per_row, THREADS // 32, unroll=1):
+                r = p // pieces_per_row
+                chunk = (p - r * pieces_per_row) * 32 + lane  # this lane's 8-column chunk
+                inside = chunk < chunks  # (I % 128 == 0: a half piece's lanes 16-31 are outside)
+                src = cutlass.min(chunk, chunks - 1)
+                row = row0 + r
+                cute.autovec_copy(cute.local_tile(mGU[e, row, None], (VEC,), (src,)), gate)
+                cute.autovec_copy(cute.local_tile(mGU[e, row, None], (VEC,), (src + chunks,)), up)
+                g = gate.load().to(Float32)
+                hv.store(g * up.load().to(Float32) / (1.0 + cute.math.exp(-g)))
+                dst = cute.local_tile(mOut[e, row, None], (VEC,), (src,))
+                if cutlass.const_expr(self.fp8):
+                    amax = Float32(MIN_AMAX)
+                    for i in cutlass.range_constexpr(VEC):
+                        amax = cute.arch.fmax(amax, cute.math.absf(hv[i]))
+                    for off in (8, 4, 2, 1):  # within the 16 lanes of one 128-column block
+                        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, off))
+                    scale = amax / FP8_MAX
+                    q = cute.make_rmem_tensor((VEC,), mOut.element_type)
+                    q.store((hv.load() / scale).to(mOut.element_type))
+                    if inside:
+                        cute.autovec_copy(q, dst)
+                        if lane % LANES_PER_BLOCK == 0:
+                            mScale[e, row, chunk // LANES_PER_BLOCK] = scale
+                else:
+                    o = cute.make_rmem_tensor((VEC,), mOut.element_type)
+                    o.store(hv.load().to(mOut.element_type))
+                    if inside:
+                        cute.autovec_copy(o, dst)
+            sched.advance()
+            work = sched.work()

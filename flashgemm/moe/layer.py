@@ -1,0 +1,134 @@
+"""The expert computation of an expert-parallel MoE layer, in the masked layout.
+
+After a dispatch, ``x[e, :m_e]`` holds the tokens routed to local expert e.
+``MaskedExperts`` runs them through
+
+1. gate_up: ``gu = x @ w13.T`` (masked grouped GEMM, bf16 out),
+2. SwiGLU: ``h = silu(gu[..., :I]) * gu[..., I:]``, quantized to 1x128 fp8
+   for an fp8 layer (``activation``),
+3. down: ``y = h @ w2.T``, with the combine fused into its epilogue
+   (``output[token_index[e, r]] += weight[e, r] * y[e, r]``), or with
+   completion signals for an external combine, or stored plainly.
+
+Everything stays on the GPU: no host sync, CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..api import grouped_gemm_nt_masked
+from ..routing import Combine
+from .activation import silu_mul
+
+FP8 = torch.float8_e4m3fn
+
+
+class MaskedExperts:
+    """The local experts' weights, in the usual checkpoint layout.
+
+    w13: [E, 2I, H], the gate projection's I rows then the up projection's;
+    w2: [E, H, I]. fp8 e4m3 with 128x128 block scales (``w13_scale`` [E,
+    2I/128, H/128], ``w2_scale`` [E, H/128, I/128]: DeepSeek-V3's recipe), or
+    bf16 without scales. I must be a multiple of 128 for fp8 (8 for bf16).
+    """
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, w13_scale=None, w2_scale=None):
+        for name, w in (("w13", w13), ("w2", w2)):
+            if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype not in (FP8, torch.bfloat16):
+                raise TypeError(f"{name} must be a 3-D float8_e4m3fn or bfloat16 tensor, got "
+                                f"{getattr(w, 'dtype', type(w).__name__)}")
+        if w13.dtype != w2.dtype:
+            raise TypeError(f"w13 and w2 must share a dtype, got {w13.dtype} and {w2.dtype}")
+        e_count, two_i, hidden = w13.shape
+        if two_i % 2 or tuple(w2.shape) != (e_count, hidden, two_i // 2):
+            raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w13.shape)} and "
+                             f"{tuple(w2.shape)}")
+        self.fp8 = w13.dtype == FP8
+        if self.fp8 and (w13_scale is None or w2_scale is None):
+            raise ValueError("fp8 weights need w13_scale and w2_scale (128x128 block scales)")
+        if not self.fp8 and (w13_scale is not None or w2_scale is not None):
+            raise ValueError("block scales are only for fp8 weights")
+        self.w13, self.w2 = w13, w2
+        self.w13_scale, self.w2_scale = w13_scale, w2_scale
+        self.num_experts, self.hidden, self.intermediate = e_count, hidden, two_i // 2
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        masked_m: torch.Tensor,
+        *,
+        x_scale: Optional[torch.Tensor] = None,
+        expected_m: Optional[int] = None,
+        combine: Optional[Combine] = None,
+        dst_signals: Optional[torch.Tensor] = None,
+        num_sms: Optional[int] = None,
+    ):
+        """x: [E, max_m, H] (fp8 with ``x_scale`` [E, max_m, H/128] for an fp8
+        layer, else bf16); masked_m: int32 [E] on the GPU.
+
+        With ``combine`` the down GEMM reduce-adds each valid row, times its
+        routing weight, into ``combine.output`` (fp32 [T, H]) and the call
+        returns ``(output, err)``. With ``dst_signals`` it returns ``(y,
+        layout)`` as ``grouped_gemm_nt_masked`` does, for a combine that
+        polls. Otherwise it returns y [E, max_m, H] bf16 (rows >= m_e unwritten).
+        """
+        if x.shape[0] != self.num_experts or x.shape[-1] != self.hidden:
+            raise ValueError(f"x must be [E={self.num_experts}, max_m, H={self.hidden}], got {tuple(x.shape)}")
+        gate_up = grouped_gemm_nt_masked(
+            x, self.w13, None, masked_m, a_scale=x_scale, b_scale=self.w13_scale,
+            expected_m=expected_m, num_sms=num_sms,
+        )
+        if self.fp8:
+            h, h_scale = silu_mul(gate_up, masked_m, fp8=True, num_sms=num_sms)
+        else:
+            h, h_scale = silu_mul(gate_up, masked_m, fp8=False, num_sms=num_sms), None
+        return grouped_gemm_nt_masked(
+            h, self.w2, None, masked_m, a_scale=h_scale, b_scale=self.w2_scale, expected_m=expected_m,
+            num_sms=num_sms, combine=combine, dst_signals=dst_signals,
+        )
+
+
+def moe_experts_ref(
+    x: torch.Tensor,
+    masked_m: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    x_scale=None,
+    w13_scale=None,
+    w2_scale=None,
+    token_index: Optional[torch.Tensor] = None,
+    weight: Optional[torch.Tensor] = None,
+    num_tokens: Optional[int] = None,
+) -> torch.Tensor:
+    """Float32 reference of the whole path on the same (de)quantized inputs,
+    with the roundings the path has by definition: the gate_up and down
+    outputs in bf16, and for fp8 the activation quantized 1x128 as
+    ``quant.quantize_fp8_per_token`` does. Returns y [E, max_m, H] (float32,
+    rows >= m_e zero), or with the routing the combined [T, H] float32 sums."""
+    from ..quant import quantize_fp8_per_token
+    from ..reference import clamp_masked_m, grouped_gemm_nt_masked_ref
+
+    fp8 = x.dtype == FP8
+    gu = grouped_gemm_nt_masked_ref(x, w13, masked_m, a_scale=x_scale, b_scale=w13_scale).to(torch.bfloat16)
+    inter = gu.shape[-1] // 2
+    h = torch.nn.functional.silu(gu[..., :inter].float()) * gu[..., inter:].float()
+    rows = clamp_masked_m(masked_m, x.shape[1]).to(h.device)
+    valid = torch.arange(x.shape[1], device=h.device)[None, :] < rows[:, None]
+    h = h * valid[..., None]
+    if fp8:
+        hq, hs = quantize_fp8_per_token(h)
+        y = grouped_gemm_nt_masked_ref(hq, w2, masked_m, a_scale=hs, b_scale=w2_scale)
+    else:
+        y = grouped_gemm_nt_masked_ref(h.to(torch.bfloat16), w2, masked_m)
+    y = y.to(torch.bfloat16).float() * valid[..., None]
+    if token_index is None:
+        return y
+    out = torch.zeros(num_tokens, y.shape[-1], dtype=torch.float32, device=y.device)
+    w = (weight.float() * valid)[..., None] * y
+    idx = torch.where(valid, token_index.long(), 0)
+    out.index_add_(0, idx.reshape(-1), w.reshape(-1, y.shape[-1]))
+    return out

@@ -1,0 +1,60 @@
+"""Arguments of the combine fused into the GEMM's epilogue
+(``grouped_gemm_nt_masked(..., combine=Combine(...))``) and their checks,
+metadata only, each error naming the argument."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .validation import _byte_span, _check_tensor, _overlaps
+
+COMBINE_FIELDS = ("combine.token_index", "combine.weight", "combine.output", "combine.err")
+ERR_BAD_TOKEN = 2  # error-word bit: a token index outside [0, T) (that row skipped)
+
+
+class Combine(NamedTuple):
+    """Where each dispatched row goes: ``output[token_index[e, r]] +=
+    weight[e, r] * row`` for the valid rows r < m_e of every expert e."""
+
+    token_index: torch.Tensor  # [E, max_m] int32 (only rows < m_e are read as routing)
+    weight: torch.Tensor  # [E, max_m] float32
+    output: torch.Tensor  # [T, N] float32, contiguous, 16-byte aligned: reduce-added into
+    err: Optional[torch.Tensor] = None  # [1] int32 error word, zeroed by the caller
+
+
+def check_combine(combine, out, dst_signals, e_count: int, max_m: int, n: int, inputs: dict) -> tuple:
+    """Check a ``Combine`` against the call; returns its four tensors."""
+    if not isinstance(combine, Combine):
+        raise TypeError(f"combine must be a flashgemm.Combine, got {type(combine).__name__}")
+    if out is not None:
+        raise ValueError("out must be None with combine (the rows go to combine.output only)")
+    if dst_signals is not None:
+        raise ValueError("dst_signals and combine exclude each other (the combine is fused)")
+    token_index, weight, output, err = combine
+    for name, t, dtype in (("combine.token_index", token_index, torch.int32),
+                           ("combine.weight", weight, torch.float32)):
+        _check_tensor(name, t, 2, (dtype,))
+        if tuple(t.shape) != (e_count, max_m) or t.stride(1) != 1:
+            raise ValueError(f"{name} must have shape (E, max_m) = {(e_count, max_m)} with a "
+                             f"contiguous last dim, got shape {tuple(t.shape)} strides {tuple(t.stride())}")
+    _check_tensor("combine.output", output, 2, (torch.float32,))
+    if output.shape[1] != n or not output.is_contiguous() or output.shape[0] < 1:
+        raise ValueError(f"combine.output must be a contiguous [T, N={n}] tensor with T >= 1, "
+                         f"got shape {tuple(output.shape)} strides {tuple(output.stride())}")
+    if output.numel() >= 2**31:
+        raise ValueError(f"combine.output must hold fewer than 2**31 elements, got {output.numel()}")
+    if output.data_ptr() % 16:
+        raise ValueError("combine.output must start at a 16-byte aligned address (16-byte reductions)")
+    _check_tensor("combine.err", err, 1, (torch.int32,))
+    if err.shape[0] != 1:
+        raise ValueError(f"combine.err must have one element, got shape {tuple(err.shape)}")
+    span_out = _byte_span(output)
+    for name, t in {**inputs, "combine.token_index": token_index, "combine.weight": weight,
+                    "combine.err": err}.items():
+        if t is not None and _overlaps(span_out, _byte_span(t)):
+            raise ValueError(f"combine.output must not overlap {name}")
+    if _overlaps(_byte_span(err), _byte_span(token_index)) or _overlaps(_byte_span(err), _byte_span(weight)):
+        raise ValueError("combine.err must not overlap the routing tensors")
+    return token_index, weight, output, err

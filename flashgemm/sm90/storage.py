@@ -1,0 +1,39 @@
+"""The CTA's shared memory of the sm_90a GEMM, as a struct (plain Python:
+its fields differ by dtype and configuration)."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from ..config import GemmConfig, Tail, TileOrder
+from ..schedule.dynamic import FEED_STAGES
+from .epilogue import SIGNAL_STAGES
+
+
+def shared_storage(config: GemmConfig, ab, out, stages, a_layout, b_layout, d_layout, sfa_layout, sfb_layout,
+                   block_scaled: bool):
+    """The ring (A, B and their mbarriers; for fp8 the slots' scales), the
+    output staging, the signal handoff's mbarriers, and what the balance
+    rule and the dynamic order add."""
+    a_size, b_size = cute.cosize(a_layout), cute.cosize(b_layout)
+    d_size = cute.cosize(d_layout)
+    sfa_size = cute.cosize(sfa_layout) if block_scaled else 4
+    sfb_size = cute.cosize(sfb_layout) if block_scaled else 4
+    fields = {  # (built explicitly: annotations are strings under postponed evaluation)
+        "ab_mbar": cute.struct.MemRange[cutlass.Int64, stages * 2],
+        "sig_mbar": cute.struct.MemRange[cutlass.Int64, SIGNAL_STAGES * 2],
+        "sA": cute.struct.Align[cute.struct.MemRange[ab, a_size], 1024],
+        "sB": cute.struct.Align[cute.struct.MemRange[ab, b_size], 1024],
+        "sD": cute.struct.Align[cute.struct.MemRange[out, d_size], 1024],
+        "sSFA": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, sfa_size], 128],
+        # block-scaled fp8: each slot's weight scales, copied in by the producer
+        "sSFB": cute.struct.Align[cute.struct.MemRange[cutlass.Float32, sfb_size], 16],
+    }
+    if config.tail is Tail.BALANCE and config.order is not TileOrder.N_MAJOR:
+        fields["active"] = cute.struct.MemRange[Int32, 1]  # the producer's count
+    if config.order is TileOrder.DYNAMIC:
+        fields["feed_mbar"] = cute.struct.MemRange[cutlass.Int64, 2 * FEED_STAGES]
+        fields["feed_slots"] = cute.struct.Align[cute.struct.MemRange[Int32, FEED_STAGES], 16]
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))

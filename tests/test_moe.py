@@ -1,0 +1,242 @@
+"""The MoE expert path on the CPU: argument checks, the float references,
+the compile-only builds of its kernels (PTX checked), the torch.library op
+and the DeepGEMM-compatible entry points."""
+
+import re
+import types
+
+import pytest
+import torch
+
+import flashgemm
+from flashgemm import Combine
+from flashgemm.config import Epilogue, KernelSpec, Operands, Staging
+from flashgemm.moe.activation import build as build_activation
+from flashgemm.moe.activation import silu_mul, silu_mul_ref
+from flashgemm.moe.layer import MaskedExperts, moe_experts_ref
+from flashgemm.quant import dequantize_fp8_per_token, quantize_fp8_per_block, quantize_fp8_per_token
+from flashgemm.routing import check_combine
+from flashgemm.sm90 import heuristic as H
+from flashgemm.sm90.build import build
+
+
+def _routing(e_count=3, max_m=8, n=16, tokens=5):
+    tok = torch.randint(0, tokens, (e_count, max_m), dtype=torch.int32)
+    return Combine(tok, torch.rand(e_count, max_m), torch.zeros(tokens, n), torch.zeros(1, dtype=torch.int32))
+
+
+def test_check_combine_names_each_bad_argument():
+    c = _routing()
+    assert len(check_combine(c, None, None, 3, 8, 16, {})) == 4
+    cases = [
+        (dict(out=torch.zeros(1)), "out must be None"),
+        (dict(dst_signals=torch.zeros(1)), "dst_signals and combine"),
+        (dict(combine=c._replace(token_index=c.token_index.long())), "combine.token_index must have dtype"),
+        (dict(combine=c._replace(weight=c.weight[:, :4])), r"combine.weight must have shape \(E, max_m\)"),
+        (dict(combine=c._replace(output=torch.zeros(5, 8))), r"combine.output must be a contiguous \[T, N=16\]"),
+        (dict(combine=c._replace(output=torch.zeros(16, 5).t())), "combine.output must be a contiguous"),
+        (dict(combine=c._replace(err=torch.zeros(2, dtype=torch.int32))), "combine.err must have one element"),
+        (dict(combine=(c.token_index, c.weight, c.output)), "combine must be a flashgemm.Combine"),
+    ]
+    for change, message in cases:
+        kw = dict(combine=c, out=None, dst_signals=None)
+        kw.update(change)
+        with pytest.raises((TypeError, ValueError), match=message):
+            check_combine(kw["combine"], kw["out"], kw["dst_signals"], 3, 8, 16, {})
+
+
+def test_check_combine_refuses_an_output_over_an_input():
+    c = _routing()
+    with pytest.raises(ValueError, match="combine.output must not overlap a"):
+        check_combine(c, None, None, 3, 8, 16, {"a": c.output.view(-1)[4:]})
+    with pytest.raises(ValueError, match="combine.output must not overlap combine.weight"):
+        check_combine(c._replace(weight=c.output.view(-1)[:24].view(3, 8)), None, None, 3, 8, 16, {})
+
+
+def test_silu_mul_checks_before_launch():
+    gu = torch.randn(2, 4, 2 * 128, dtype=torch.bfloat16)
+    mm = torch.tensor([1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="gate_up must be on a CUDA device"):
+        silu_mul(gu, mm)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        silu_mul(torch.randn(2, 4, 2 * 64, dtype=torch.bfloat16), mm)
+    with pytest.raises(TypeError, match="gate_up must have dtype"):
+        silu_mul(gu.float(), mm)
+    with pytest.raises(ValueError, match="masked_m must have E=2"):
+        silu_mul(gu, mm[:1])
+
+
+def test_silu_mul_ref_is_swiglu_on_valid_rows_then_1x128_quantization():
+    gu = torch.randn(3, 6, 2 * 256, dtype=torch.bfloat16) * 4
+    mm = torch.tensor([0, 6, 2], dtype=torch.int32)
+    h = silu_mul_ref(gu, mm, fp8=False).double()
+    g, u = gu[..., :256].double(), gu[..., 256:].double()
+    direct = g / (1 + torch.exp(-g)) * u
+    for e, m in enumerate(mm.tolist()):
+        assert torch.allclose(h[e, :m], direct[e, :m], rtol=1e-2, atol=1e-2)
+        assert (h[e, m:] == 0).all()
+    q, s = silu_mul_ref(gu, mm, fp8=True)
+    assert s.stride(1) == 1  # the M-major layout the down GEMM reads in place
+    deq = dequantize_fp8_per_token(q, s).double()
+    for e, m in enumerate(mm.tolist()):
+        if m:
+            assert (deq[e, :m] - direct[e, :m]).norm() / direct[e, :m].norm() < 0.05
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_moe_reference_matches_float64(fp8):
+    e_count, max_m, hidden, inter, tokens = 3, 8, 256, 128, 10
+    masked_m = torch.tensor([0, 8, 5], dtype=torch.int32)
+    x = torch.randn(e_count, max_m, hidden, dtype=torch.bfloat16)
+    w13 = torch.randn(e_count, 2 * inter, hidden, dtype=torch.bfloat16) / hidden**0.5
+    w2 = torch.randn(e_count, hidden, inter, dtype=torch.bfloat16) / inter**0.5
+    xs = s13 = s2 = None
+    if fp8:
+        x, xs = quantize_fp8_per_token(x)
+        w13, s13 = quantize_fp8_per_block(w13)
+        w2, s2 = quantize_fp8_per_block(w2)
+    tok = torch.randint(0, tokens, (e_count, max_m), dtype=torch.int32)
+    wt = torch.rand(e_count, max_m)
+    out = moe_experts_ref(x, masked_m, w13, w2, x_scale=xs, w13_scale=s13, w2_scale=s2,
+                          token_index=tok, weight=wt, num_tokens=tokens)
+    # float64 of the same dequantized inputs, without the path's roundings
+    xd = dequantize_fp8_per_token(x, xs).double() if fp8 else x.double()
+    w13d = (w13.double() if not fp8 else
+            (w13.float() * s13.repeat_interleave(128, 1).repeat_interleave(128, 2)).double())
+    w2d = (w2.double() if not fp8 else
+           (w2.float() * s2.repeat_interleave(128, 1).repeat_interleave(128, 2)).double())
+    want = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for e, m in enumerate(masked_m.tolist()):
+        gu = xd[e, :m] @ w13d[e].T
+        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        y = h @ w2d[e].T
+        want.index_add_(0, tok[e, :m].long(), wt[e, :m].double()[:, None] * y)
+    err = (out.double() - want).norm() / want.norm()
+    assert err < (0.06 if fp8 else 0.01), err
+    routed = torch.zeros(tokens, dtype=torch.bool)
+    for e, m in enumerate(masked_m.tolist()):
+        routed[tok[e, :m].long()] = True
+    assert (out[~routed] == 0).all()
+
+
+def test_masked_experts_checks_weights():
+    w13 = torch.zeros(2, 256, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"w13 must be \[E, 2I, H\] and w2 \[E, H, I\]"):
+        MaskedExperts(w13, torch.zeros(2, 64, 64, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="w13 and w2 must share a dtype"):
+        MaskedExperts(w13, torch.zeros(2, 64, 128, dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="fp8 weights need w13_scale"):
+        MaskedExperts(w13.to(torch.float8_e4m3fn), torch.zeros(2, 64, 128, dtype=torch.float8_e4m3fn))
+
+
+@pytest.fixture(scope="module")
+def activation_ptx():
+    return {fp8: build_activation(fp8, "sm_90a", keep_ptx=True).__ptx__ for fp8 in (True, False)}
+
+
+def test_activation_kernels_ptx(activation_ptx):
+    for fp8, ptx in activation_ptx.items():
+        assert len(re.findall(r"ld\.global(?:\.nc)?\.v4\.b32", ptx)) >= 2  # 16-byte gate and up loads
+        assert ".local" not in ptx
+        # rows past m_e are never touched: the walk reads masked_m
+        assert "ld.global.b32" in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in activation_ptx[True]
+    assert "shfl.sync.bfly" in activation_ptx[True]  # the 128-column block's amax
+    assert "e4m3" not in activation_ptx[False]
+
+
+@pytest.mark.parametrize("cfg, ops", [
+    (H.FP8_DECODE_CONFIG, Operands.FP8_BLOCK),
+    (H.FP8_MID_CONFIG, Operands.FP8_BLOCK),
+    (H.MID_192_CONFIG, Operands.BF16),
+], ids=["fp8-decode", "fp8-mid", "bf16-192"])
+def test_fused_combine_ptx(cfg, ops):
+    ptx = build(KernelSpec(cfg, ops, None, Epilogue.COMBINE), "sm_90a", keep_ptx=True).__ptx__
+    assert ptx.count("red.relaxed.gpu.global.add.v4.f32") >= 2
+    assert "cp.async.bulk.tensor.3d.global.shared::cta" not in ptx  # no bf16 rows stored
+    assert "red.release" not in ptx  # and no signals
+    assert ".local" not in ptx
+
+
+def test_heuristic_fused_combine_picks_pair_staging():
+    for fp8 in (False, True):
+        for em in (8, 32, 100, 200, 1024):
+            cfg = H.choose_config(em, 4096, 7168, 2048, 132, fp8, 8, combine=True)
+            assert cfg.staging is Staging.PAIR
+            assert cfg.replace(staging=H.choose_config(em, 4096, 7168, 2048, 132, fp8, 8).staging) == \
+                H.choose_config(em, 4096, 7168, 2048, 132, fp8, 8)
+    combine_specs = [s for s in H.reachable_specs() if s.epilogue is Epilogue.COMBINE]
+    assert combine_specs and all(s.signal_mode is None for s in combine_specs)
+
+
+def test_torch_compile_traces_the_op_fullgraph():
+    from flashgemm.reference import grouped_gemm_nt_masked_ref
+
+    a = torch.randn(3, 16, 64, dtype=torch.bfloat16)
+    b = torch.randn(3, 32, 64, dtype=torch.bfloat16)
+    mm = torch.tensor([0, 5, 16], dtype=torch.int32)
+
+    def f(a, b, mm):
+        return flashgemm.grouped_gemm_nt_masked(a, b, None, mm, expected_m=8).float().relu().sum(-1)
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="eager")(a, b, mm)
+    want = grouped_gemm_nt_masked_ref(a, b, mm).to(torch.bfloat16).float().relu().sum(-1)
+    assert torch.equal(got, want)
+    torch.library.opcheck(torch.ops.flashgemm.grouped_gemm_nt_masked, (a, b, mm), {"expected_m": 8})
+
+
+def test_op_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = torch.empty(4, 32, 256, dtype=torch.float8_e4m3fn)
+        b = torch.empty(4, 96, 256, dtype=torch.float8_e4m3fn)
+        out = torch.ops.flashgemm.grouped_gemm_nt_masked(
+            a, b, torch.empty(4, dtype=torch.int32), torch.empty(4, 32, 2), torch.empty(4, 1, 2))
+    assert tuple(out.shape) == (4, 32, 96) and out.dtype == torch.bfloat16
+
+
+def test_compiled_region_refuses_eager_only_arguments():
+    a = torch.randn(2, 8, 64, dtype=torch.bfloat16)
+    b = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    mm = torch.tensor([1, 2], dtype=torch.int32)
+
+    def f(a, b, mm):
+        return flashgemm.grouped_gemm_nt_masked(a, b, None, mm, config=H.DECODE_CONFIG)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="config cannot be traced by torch.compile"):
+        torch.compile(f, fullgraph=True, backend="eager")(a, b, mm)
+
+
+def test_deep_gemm_compat_maps_arguments(monkeypatch):
+    from flashgemm.compat import deep_gemm as dg
+
+    calls = []
+
+    def fake(a, b, out, masked_m, **kw):
+        calls.append((a, b, out, masked_m, kw))
+        if kw.get("dst_signals") is not None:
+            layout = flashgemm.signals.make_signal_layout(
+                kw["signal_granularity"], a.shape[1], b.shape[1], kw["config"].tile_m, kw["config"].tile_n,
+                a.shape[0])
+            return out, layout
+        return out
+
+    monkeypatch.setattr(dg, "grouped_gemm_nt_masked", fake)
+    monkeypatch.setattr(dg, "device_facts", lambda index: ((9, 0), 132, "H100"))
+    a = types.SimpleNamespace(shape=(8, 256, 7168), device=torch.device("cpu"))
+    b = types.SimpleNamespace(shape=(8, 4096, 7168))
+    assert dg.m_grouped_fp8_gemm_nt_masked((a, "sfa"), (b, "sfb"), "d", "mm", 128) is None
+    assert calls[-1][4]["a_scale"] == "sfa" and calls[-1][4]["b_scale"] == "sfb"
+    assert calls[-1][4]["expected_m"] == 128
+    block_m, threshold = dg.m_grouped_fp8_gemm_nt_masked(
+        (a, "sfa"), (b, "sfb"), "d", "mm", 128, enable_overlap=True, signal="sig")
+    cfg = calls[-1][4]["config"]
+    assert block_m == 64 == cfg.tile_m and threshold == -(-4096 // cfg.tile_n)
+    assert calls[-1][4]["dst_signals"] == "sig" and calls[-1][4]["signal_granularity"] == "m_block"
+    with pytest.raises(ValueError, match="enable_overlap=True needs signal"):
+        dg.m_grouped_bf16_gemm_nt_masked(a, b, "d", "mm", 128, enable_overlap=True)
+    with pytest.raises(ValueError, match="recipe must be None or"):
+        dg.m_grouped_fp8_gemm_nt_masked((a, "sfa"), (b, "sfb"), "d", "mm", 128, recipe=(1, 1, 128))
