@@ -20,6 +20,8 @@ import typing
 
 import torch
 
+from flashgemm.timing import capture_graph  # noqa: F401  (the scripts import it from here)
+
 CASES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_cases.json")
 DISTRIBUTIONS = ("uniform", "skewed", "sparse", "empty")
 
@@ -109,21 +111,6 @@ def time_fn(fn, warmup=5, reps=30):
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
-
-
-def capture_graph(fn, calls=10):
-    """A CUDA graph of `calls` back-to-back calls of fn (run once before, on a
-    side stream, so compiles and allocations stay out of the capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
 
 
 def time_graph(fn, reps=30, calls=10):

@@ -38,15 +38,9 @@ def _routing(masked_m, max_m, num_tokens, gen):
 
 
 def _graph_us(fn, reps=20, rounds=5):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+    from .timing import capture_graph
+
+    graph = capture_graph(fn, reps)
     for _ in range(3):  # clocks up, caches warm
         graph.replay()
     times = []

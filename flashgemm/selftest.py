@@ -32,18 +32,25 @@ def _guards_intact(buf):
     return bool(buf[:GUARD].isnan().all() and buf[-GUARD:].isnan().all())
 
 
-def _check_gemm(fp8: bool, e_count, max_m, n, k, masked):
-    from . import grouped_gemm_nt_masked
+def _operands(fp8: bool, e_count, max_m, n, k):
+    """Fresh random a [E, max_m, K] and b [E, N, K], fp8-quantized with their
+    scales (as keyword arguments of the GEMM) or bf16."""
     from .quant import quantize_fp8_per_block, quantize_fp8_per_token
-    from .reference import clamp_masked_m, grouped_gemm_nt_masked_ref, similarity
 
     a = torch.randn(e_count, max_m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(e_count, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-    scales = {}
-    if fp8:
-        a, sa = quantize_fp8_per_token(a)
-        b, sb = quantize_fp8_per_block(b)
-        scales = dict(a_scale=sa, b_scale=sb)
+    if not fp8:
+        return a, b, {}
+    a, sa = quantize_fp8_per_token(a)
+    b, sb = quantize_fp8_per_block(b)
+    return a, b, dict(a_scale=sa, b_scale=sb)
+
+
+def _check_gemm(fp8: bool, e_count, max_m, n, k, masked):
+    from . import grouped_gemm_nt_masked
+    from .reference import clamp_masked_m, grouped_gemm_nt_masked_ref, similarity
+
+    a, b, scales = _operands(fp8, e_count, max_m, n, k)
     masked_m = torch.tensor(masked, dtype=torch.int32, device="cuda")
     buf, out = _guarded((e_count, max_m, n), torch.bfloat16)
     grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=max(1, max_m // 2), **scales)
@@ -64,16 +71,9 @@ def _check_gemm(fp8: bool, e_count, max_m, n, k, masked):
 
 def _check_signals(fp8: bool):
     from .overlap import run_gemm_and_combine
-    from .quant import quantize_fp8_per_block, quantize_fp8_per_token
 
     e_count, max_m, n, k, tokens = 6, 128, 512, 512, 160
-    a = torch.randn(e_count, max_m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(e_count, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-    scales = {}
-    if fp8:
-        a, sa = quantize_fp8_per_token(a)
-        b, sb = quantize_fp8_per_block(b)
-        scales = dict(a_scale=sa, b_scale=sb)
+    a, b, scales = _operands(fp8, e_count, max_m, n, k)
     masked_m = torch.tensor([0, 1, 64, 65, 128, 300], dtype=torch.int32, device="cuda")
     tok = torch.stack([torch.randperm(tokens)[:max_m] for _ in range(e_count)]).to(torch.int32).cuda()
     wt = torch.rand(e_count, max_m, device="cuda")

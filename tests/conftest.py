@@ -58,21 +58,7 @@ def seed():
     return s
 
 
-def capture_graph(fn, calls=10):
-    """A CUDA graph of ``calls`` back-to-back calls of fn, run once before on
-    a side stream so compiles and allocations stay out of the capture (the
-    benchmarks capture the same way; the GPU tests keep their own copy so they
-    do not depend on the benchmark scripts)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
+from flashgemm.timing import capture_graph  # noqa: E402,F401  (the GPU tests import it from here)
 
 
 @pytest.fixture
