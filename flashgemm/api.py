@@ -187,10 +187,7 @@ def grouped_gemm_nt_masked(
     plan = _make_plan(
         a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals, signal_granularity
     )
-    if key is not None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+    _remember(key, plan)
     return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals)
 
 
@@ -231,12 +228,13 @@ def _combine_call(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, co
             plan = None
     except (AttributeError, TypeError):
         key, plan = None, None
-    if plan is None:
-        plan = _make_plan(*args)
-        if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+    if plan is not None:
+        try:
+            return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals, routing)
+        except Exception as refused:  # noqa: BLE001 - as in grouped_gemm_nt_masked
+            _explain(refused, *args)
+    plan = _make_plan(*args)
+    _remember(key, plan)
     return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals, tuple(combine))
 
 
@@ -259,6 +257,14 @@ def _explain(refused: Exception, *args):
 
 _PLANS: dict = {}
 _MAX_PLANS = 4096
+_NO_ROUTING = (None, None, None, None)  # token_index, weight, output, err of a call without combine
+
+
+def _remember(key, plan) -> None:
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
 
 
 class _LaunchPlan:
@@ -315,12 +321,8 @@ class _LaunchPlan:
         return True
 
     def launch(self, a, b, out, masked_m, a_scale, b_scale, dst_signals, routing=()):
-        if routing:
-            self.fn(a, b, None, masked_m, None, a_scale if not self.copy_a_scale else tma_ready_a_scale(a_scale),
-                    b_scale, None if self.counter_device is None else workspace.claim_counter(self.counter_device),
-                    *routing, self.num_ctas)
-            return routing[2], routing[3]
-        if out is None:
+        """``routing``: the combine's four tensors (the call then has no out)."""
+        if out is None and not routing:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=a.device)
         if self.copy_a_scale:
             a_scale = tma_ready_a_scale(a_scale)
@@ -332,8 +334,10 @@ class _LaunchPlan:
         self.fn(
             a, b, out, masked_m, dst_signals, a_scale, b_scale,
             None if self.counter_device is None else workspace.claim_counter(self.counter_device),
-            None, None, None, None, self.num_ctas,
+            *(routing or _NO_ROUTING), self.num_ctas,
         )
+        if routing:
+            return routing[2], routing[3]  # (output, err)
         return out if self.layout is None else (out, self.layout)
 
 
