@@ -12,7 +12,8 @@ the whole layer.
     experts, H 7168, I 2048) and Qwen3-235B (EP8: 16 local experts, H 4096,
     I 1536) decode shapes with top-8 routing: gate_up, the activation, down
     with the fused combine, each alone and the whole path in one CUDA graph,
-    against the sum of the two GEMMs alone.
+    against the two GEMMs back to back in one graph (and against the sum of
+    each GEMM timed alone, which keeps its inputs and output in L2).
 
 Times are per call from CUDA-graph replays, timed in interleaved rounds, the
 ratios taken round by round (``common.time_graph_rounds``). Bytes and FLOPs
@@ -72,12 +73,15 @@ def fused_case(case, fp8, seed, rounds, reps, combine_sms, top_k):
     masked_m = masked_m.to(torch.int32).cuda()
     out = torch.empty(e_count, max_m, n, device="cuda", dtype=torch.bfloat16)
     combined = torch.zeros(num_tokens, n, device="cuda")
+    combined_bf16 = torch.zeros(num_tokens, n, device="cuda", dtype=torch.bfloat16)
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     timed = {
         "gemm_us": lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=em, **scales),
         "fused_us": lambda: flashgemm.grouped_gemm_nt_masked(
             a, b, None, masked_m, expected_m=em, combine=Combine(tok, wt, combined, err), **scales),
+        "fused_bf16_us": lambda: flashgemm.grouped_gemm_nt_masked(
+            a, b, None, masked_m, expected_m=em, combine=Combine(tok, wt, combined_bf16, err), **scales),
         "two_stream_us": lambda: run_gemm_and_combine(
             a, b, masked_m, tok, wt, combined, gemm_sms=sm_count - combine_sms, combine_sms=combine_sms,
             expected_m=em, out=out, **scales),
@@ -89,9 +93,24 @@ def fused_case(case, fp8, seed, rounds, reps, combine_sms, top_k):
          "combine_sms": combine_sms}
     r.update({name: 1e3 * statistics.median(t) for name, t in samples.items()})
     r["fused_vs_gemm"] = paired_median(lambda g, f: f / g, samples["gemm_us"], samples["fused_us"])
+    r["fused_bf16_vs_gemm"] = paired_median(lambda g, f: f / g, samples["gemm_us"], samples["fused_bf16_us"])
     r["two_stream_vs_gemm"] = paired_median(lambda g, o: o / g, samples["gemm_us"], samples["two_stream_us"])
+    r["bf16_sums_error"] = _sums_error(a, b, masked_m, tok, wt, num_tokens, n, em, scales)
     assert int(err.item()) == 0, "the routing named a token out of range"
     return r
+
+
+def _sums_error(a, b, masked_m, tok, wt, num_tokens, n, em, scales):
+    """One call into fp32 and one into bf16 from zero: max |bf16 - fp32| over
+    max |fp32| (the fp32 sums stand for the exact ones: their own error is
+    about 2**-16 of the bf16 one's)."""
+    sums = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        sums[dtype] = torch.zeros(num_tokens, n, device="cuda", dtype=dtype)
+        flashgemm.grouped_gemm_nt_masked(a, b, None, masked_m, expected_m=em,
+                                         combine=Combine(tok, wt, sums[dtype]), **scales)
+    ref = sums[torch.float32]
+    return float((sums[torch.bfloat16].float() - ref).abs().max() / ref.abs().max())
 
 
 def layer_case(spec, fp8, seed, rounds, reps):
@@ -118,6 +137,7 @@ def layer_case(spec, fp8, seed, rounds, reps):
         w2, s2 = quantize_fp8_per_block(w2)
     layer = MaskedExperts(w13, w2, w13_scale=s13, w2_scale=s2)
     combined = torch.zeros(num_tokens, hidden, device="cuda")
+    combined_bf16 = torch.zeros(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
     gu = flashgemm.grouped_gemm_nt_masked(x, w13, None, masked_m, a_scale=xs, b_scale=s13, expected_m=em)
     act = silu_mul(gu, masked_m, fp8=fp8)
@@ -132,8 +152,18 @@ def layer_case(spec, fp8, seed, rounds, reps):
         "down_fused_us": lambda: flashgemm.grouped_gemm_nt_masked(
             h, w2, None, masked_m, a_scale=hs, b_scale=s2, expected_m=em,
             combine=Combine(tok, wt, combined, err)),
+        "down_fused_bf16_us": lambda: flashgemm.grouped_gemm_nt_masked(
+            h, w2, None, masked_m, a_scale=hs, b_scale=s2, expected_m=em,
+            combine=Combine(tok, wt, combined_bf16, err)),
+        # the two GEMMs back to back: their outputs leave L2 as they do in the
+        # layer (repeated calls of one GEMM keep its output and inputs there)
+        "gemms_us": lambda: (
+            flashgemm.grouped_gemm_nt_masked(x, w13, gu, masked_m, a_scale=xs, b_scale=s13, expected_m=em),
+            flashgemm.grouped_gemm_nt_masked(h, w2, y, masked_m, a_scale=hs, b_scale=s2, expected_m=em)),
         "layer_us": lambda: layer(x, masked_m, x_scale=xs, expected_m=em,
                                   combine=Combine(tok, wt, combined, err)),
+        "layer_bf16_us": lambda: layer(x, masked_m, x_scale=xs, expected_m=em,
+                                       combine=Combine(tok, wt, combined_bf16, err)),
     }
     samples = dict(zip(timed, time_graph_rounds(list(timed.values()), rounds=rounds, reps=reps)))
     rows = int(masked.sum())
@@ -144,38 +174,52 @@ def layer_case(spec, fp8, seed, rounds, reps):
     r.update({k: 1e3 * statistics.median(t) for k, t in samples.items()})
     r["layer_vs_gemms"] = paired_median(lambda l, a, d: l / (a + d), samples["layer_us"],
                                         samples["gate_up_us"], samples["down_us"])
+    r["layer_bf16_vs_gemms"] = paired_median(lambda l, a, d: l / (a + d), samples["layer_bf16_us"],
+                                             samples["gate_up_us"], samples["down_us"])
+    r["layer_vs_pair"] = paired_median(lambda l, p: l / p, samples["layer_us"], samples["gemms_us"])
+    r["layer_bf16_vs_pair"] = paired_median(lambda l, p: l / p, samples["layer_bf16_us"], samples["gemms_us"])
     r["fused_vs_down"] = paired_median(lambda d, f: f / d, samples["down_us"], samples["down_fused_us"])
+    r["fused_bf16_vs_down"] = paired_median(lambda d, f: f / d, samples["down_us"],
+                                            samples["down_fused_bf16_us"])
     # bytes each stage must move at least (valid rows only), for the bandwidth column
     r["bytes"] = {
         "gate_up": nonempty * 2 * inter * hidden * elem + rows * hidden * elem + rows * 2 * inter * 2,
         "act": rows * 2 * inter * 2 + rows * inter * elem,
         "down": nonempty * hidden * inter * elem + rows * inter * elem + rows * hidden * 2,
         "down_fused": nonempty * hidden * inter * elem + rows * inter * elem + rows * hidden * 4,
+        "down_fused_bf16": nonempty * hidden * inter * elem + rows * inter * elem + rows * hidden * 2,
     }
     assert int(err.item()) == 0
     return r
 
 
 def fused_table(rows):
-    lines = ["| dtype | case | rows | tokens | GEMM alone (us) | fused combine (us) | fused / GEMM | "
-             "two streams (us) | two streams / GEMM | memset of the output (us) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | case | rows | tokens | GEMM alone (us) | fused, fp32 sums (us) | / GEMM | "
+             "fused, bf16 sums (us) | / GEMM | bf16 sums: max error / max | two streams (us) | / GEMM | "
+             "memset of the fp32 output (us) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dtype']} | {r['case']} | {r['rows']} | {r['tokens']} | {r['gemm_us']:.1f} | "
-                     f"{r['fused_us']:.1f} | {r['fused_vs_gemm']:.3f} | {r['two_stream_us']:.1f} | "
+                     f"{r['fused_us']:.1f} | {r['fused_vs_gemm']:.3f} | {r['fused_bf16_us']:.1f} | "
+                     f"{r['fused_bf16_vs_gemm']:.3f} | {r['bf16_sums_error']:.1e} | {r['two_stream_us']:.1f} | "
                      f"{r['two_stream_vs_gemm']:.3f} | {r['memset_us']:.1f} |")
     return "\n".join(lines)
 
 
 def layer_table(rows):
-    lines = ["| dtype | layer | rows | gate_up (us, GB/s) | act (us, GB/s) | down (us) | down + fused combine "
-             "(us, GB/s) | whole path (us) | whole / (gate_up + down) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | layer | rows | gate_up (us, GB/s) | act (us, GB/s) | down (us) | down + combine, fp32 "
+             "sums (us, GB/s) | bf16 sums (us, GB/s) | gate_up then down (us) | whole path, fp32 sums (us) | "
+             "/ (gate_up then down) | / (gate_up + down, each alone) | whole path, bf16 sums (us) | "
+             "/ (gate_up then down) | / (gate_up + down, each alone) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        bw = {k: r["bytes"][k] / (r[f"{k}_us"] * 1e3) for k in ("gate_up", "act", "down_fused")}
+        bw = {k: r["bytes"][k] / (r[f"{k}_us"] * 1e3) for k in ("gate_up", "act", "down_fused", "down_fused_bf16")}
         lines.append(
             f"| {r['dtype']} | {r['case']} | {r['rows']} | {r['gate_up_us']:.1f} ({bw['gate_up']:.0f}) | "
             f"{r['act_us']:.1f} ({bw['act']:.0f}) | {r['down_us']:.1f} | {r['down_fused_us']:.1f} "
-            f"({bw['down_fused']:.0f}) | {r['layer_us']:.1f} | {r['layer_vs_gemms']:.3f} |")
+            f"({bw['down_fused']:.0f}) | {r['down_fused_bf16_us']:.1f} ({bw['down_fused_bf16']:.0f}) | "
+            f"{r['gemms_us']:.1f} | {r['layer_us']:.1f} | {r['layer_vs_pair']:.3f} | {r['layer_vs_gemms']:.3f} | "
+            f"{r['layer_bf16_us']:.1f} | {r['layer_bf16_vs_pair']:.3f} | {r['layer_bf16_vs_gemms']:.3f} |")
     return "\n".join(lines)
 
 

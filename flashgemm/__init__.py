@@ -1,8 +1,11 @@
-"""flashgemm: masked grouped GEMMs for Mixture-of-Experts serving (CuTe DSL, Hopper)."""
+"""flashgemm: masked grouped GEMMs for Mixture-of-Experts serving (CuTe DSL;
+Hopper, and Blackwell with MXFP8 / NVFP4)."""
 
 from .version import __version__
 from .config import Epilogue, GemmConfig, KernelSpec, Operands, Promotion, Staging, Tail, TileOrder
 from .api import grouped_gemm_nt_masked, signal_layout
+from .formats import Format
+from .sm100.config import Sm100Config
 from .sm90.heuristic import choose_config
 from .signals import SignalLayout, alloc_signals
 from .routing import Combine
@@ -10,21 +13,30 @@ from . import reference
 from . import torch_ops  # noqa: F401  (registers torch.ops.flashgemm.*)
 
 
-def precompile(*args, **kwargs):
-    """Build and store kernels ahead of serving (see ``flashgemm.sm90.build.precompile``)."""
-    from .sm90.build import precompile as _precompile
+def precompile(specs=None, *, arch=None, cache_dir=None, progress=False):
+    """Build and store every kernel the package can launch on ``arch``
+    (default: this GPU's, else sm_90a) ahead of serving, without a GPU (see
+    ``flashgemm.sm90.build.precompile`` / ``flashgemm.sm100.build.precompile``)."""
+    from .jit.arch import default_arch
 
-    return _precompile(*args, **kwargs)
+    arch = arch or default_arch()
+    if arch.startswith("sm_10"):
+        from .sm100.build import precompile as _precompile
+    else:
+        from .sm90.build import precompile as _precompile
+    return _precompile(specs, arch=arch, cache_dir=cache_dir, progress=progress)
 
 
 __all__ = [
     "Combine",
     "Epilogue",
+    "Format",
     "GemmConfig",
     "KernelSpec",
     "Operands",
     "Promotion",
     "SignalLayout",
+    "Sm100Config",
     "Staging",
     "Tail",
     "TileOrder",

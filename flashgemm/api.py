@@ -11,17 +11,20 @@ from typing import Optional
 
 import torch
 
-from .jit.arch import device_facts
+from .blockscaled_args import check_alpha, format_of, infer_format, validate_blockscaled_args
+from .formats import Format, check_format_on
+from .jit.arch import backend_name, device_facts
 from .config import Epilogue, GemmConfig, KernelSpec, Operands, Tail
 from .signals import SignalLayout, check_granularity, make_signal_layout, validate_signals
 from .sm90.heuristic import choose_config
 from .sm90.limits import check_config
-from .routing import COMBINE_FIELDS, Combine, check_combine
+from .routing import COMBINE_FIELDS, Combine, check_combine, combine_epilogue
 from .validation import (
     _FP8,
     _TMA_ALIGN,
     _byte_span,
     _span,
+    check_expected_m,
     check_no_alias,
     check_num_sms,
     out_dtype,
@@ -41,11 +44,7 @@ def _validated(config: GemmConfig, operands: Operands, epilogue: Epilogue = Epil
 def _resolve_config(
     config, expected_m, max_m, n, k, grid_cap, fp8=False, num_experts=None, signals=False, combine=False
 ) -> GemmConfig:
-    if expected_m is not None:
-        if isinstance(expected_m, bool) or not isinstance(expected_m, int):
-            raise TypeError(f"expected_m must be an int or None, got {type(expected_m).__name__}")
-        if expected_m < 0:
-            raise ValueError(f"expected_m must be >= 0, got {expected_m}")
+    check_expected_m(expected_m)
     if config is None:
         return choose_config(expected_m, max_m, n, k, grid_cap, fp8, num_experts, signals, combine)
     if not isinstance(config, GemmConfig):
@@ -66,12 +65,17 @@ def signal_layout(
     signal_granularity: str = "m_block",
     fp8: bool = False,
     device=None,
+    fmt=None,
 ) -> SignalLayout:
     """The signal layout a call with these arguments will use, known before
     launch (so a combine kernel can be set up first). ``num_sms`` as passed to
     the call, checked the same way (None: every SM of ``device``); ``device``:
     the GPU the call's tensors are on (default: the current CUDA device);
-    ``fp8`` for float8_e4m3fn operands."""
+    ``fmt``: the call's operand format (a ``flashgemm.Format`` or its value,
+    "bf16", "fp8_block128", "mxfp8", "nvfp4"; default bf16), or the older
+    ``fp8=True`` for float8_e4m3fn operands with fp32 scales. ``k`` is in
+    elements for every format (NVFP4's packed a has k / 2 bytes per row)."""
+    fmt = format_of(fmt, fp8)
     if device is None:
         if not torch.cuda.is_available():
             raise ValueError("signal_layout needs a CUDA device (pass device=...)")
@@ -80,8 +84,17 @@ def signal_layout(
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device, got {device}")
     index = torch.cuda.current_device() if device.index is None else device.index
-    grid_cap = check_num_sms(num_sms, device_facts(index)[1], device)
-    cfg = _resolve_config(config, expected_m, max_m, n, k, grid_cap, fp8, num_experts, signals=True)
+    capability, sm_count, _ = device_facts(index)
+    grid_cap = check_num_sms(num_sms, sm_count, device)
+    backend = backend_name(capability)
+    if backend is not None:
+        check_format_on(fmt, backend)
+    if backend is not None and backend != "sm90":
+        from .sm100.launch import sm100_signal_layout
+
+        return sm100_signal_layout(fmt, num_experts, max_m, n, k, expected_m, grid_cap, config, signal_granularity)
+    cfg = _resolve_config(config, expected_m, max_m, n, k, grid_cap, fmt is Format.FP8_BLOCK128, num_experts,
+                          signals=True)
     return make_signal_layout(signal_granularity, max_m, n, cfg.tile_m, cfg.tile_n, num_experts)
 
 
@@ -100,6 +113,7 @@ def grouped_gemm_nt_masked(
     signal_granularity: str = "m_block",
     stream: Optional[torch.cuda.Stream] = None,
     combine: Optional[Combine] = None,
+    alpha: Optional[torch.Tensor] = None,
 ):
     """``out[e, :m_e] = a[e, :m_e] @ b[e].T`` for every expert, m_e = clamp(masked_m[e], 0, max_m).
 
@@ -120,6 +134,16 @@ def grouped_gemm_nt_masked(
     what a low-latency dispatch writes) is read in place; a K-block-contiguous
     one is first copied into that layout (an extra small kernel per call).
 
+    Blackwell (sm_100 / sm_103) also takes MXFP8 (a, b float8_e4m3fn with
+    float8_e8m0fnu or uint8 scales, one per 32 of K) and NVFP4 (a [E, max_m, K/2],
+    b [E, N, K/2] packed e2m1 as uint8 or float4_e2m1fn_x2, float8_e4m3fn
+    scales, one per 16 of K, and ``alpha``: float32 [E] = 1 / (g_a * g_b),
+    required). Their scales are in the 128x4-atom layout of
+    ``blockscale.to_blocked_scales``: a_scale (E, ceil(max_m/128),
+    ceil(K/vec/4), 32, 4, 4) and b_scale with N for max_m, contiguous. The
+    format follows from the dtypes (``flashgemm.blockscaled_args``); on
+    Hopper these formats raise ValueError before any launch.
+
     expected_m: mean valid rows per expert (host hint for the configuration).
     num_sms: cap on the persistent grid, e.g. to leave SMs to a concurrent kernel.
     config: a :class:`GemmConfig` that overrides the heuristic.
@@ -131,23 +155,27 @@ def grouped_gemm_nt_masked(
     combine: a :class:`Combine` (token_index, weight, output, err): instead of
     storing ``out`` (pass None), the epilogue reduce-adds
     ``weight[e, r] * bf16(row r of expert e)`` into ``output[token_index[e, r]]``
-    (fp32 [T, N]) for every valid row; returns ``(output, err)``, where ``err``
-    is the int32 error word (bit 2: a token index outside [0, T), that row
-    skipped). The adds land in no fixed order: the fp32 sums can differ in
-    their last bits from run to run.
+    (fp32 or bf16 [T, N]) for every valid row; returns ``(output, err)``, where
+    ``err`` is the int32 error word (bit 2: a token index outside [0, T), that
+    row skipped). The adds land in no fixed order, so the sums can differ in
+    their last bits from run to run. A bf16 output sums in bf16 in L2 (each
+    add rounds): half the bytes of fp32 and nearly free beside the GEMM, at
+    the rounding error ``docs/design.md`` measures.
     """
     if torch.compiler.is_compiling():
         return _as_custom_op(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config,
-                             dst_signals, stream, combine)
+                             dst_signals, stream, combine, alpha)
     if stream is not None:
         _check_stream(stream, a)
         with torch.cuda.stream(stream):
             return grouped_gemm_nt_masked(
                 a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, expected_m=expected_m,
                 num_sms=num_sms, config=config, dst_signals=dst_signals,
-                signal_granularity=signal_granularity, combine=combine,
+                signal_granularity=signal_granularity, combine=combine, alpha=alpha,
             )
     if combine is not None:
+        if alpha is not None:
+            raise ValueError("combine takes bf16 or 1x128 fp8 operands on sm_90; alpha is for NVFP4")
         return _combine_call(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config,
                              dst_signals, signal_granularity, combine)
     try:
@@ -169,33 +197,38 @@ def grouped_gemm_nt_masked(
             None if b_scale is None else (b_scale.shape, b_scale.stride()),
             None if dst_signals is None else (dst_signals.dtype, dst_signals.shape),
             expected_m, type(expected_m), num_sms, type(num_sms), config, signal_granularity,
+            None if alpha is None else (alpha.dtype, alpha.shape, alpha.stride(), alpha.get_device()),
         )
+        # an sm100 plan takes alpha where a combine's plan takes its routing tensors
+        extra = () if alpha is None else (alpha,)
         plan = _PLANS.get(key)
-        if plan is not None and not plan.pointers_ok(a, b, masked_m, out, a_scale, b_scale, dst_signals):
+        if plan is not None and not plan.pointers_ok(a, b, masked_m, out, a_scale, b_scale, dst_signals, extra):
             plan = None
     except (AttributeError, TypeError):  # not tensors, unhashable: the full checks explain
         key, plan = None, None
     if plan is not None:
         try:
-            return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals)
+            return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals, extra)
         except Exception as refused:  # noqa: BLE001 - re-raised below unless a clearer error exists
             # The compiled function's own checks refused an argument the key
             # does not cover (say masked_m of another dtype, or out of another
             # shape) before launching: every check below names the argument.
             _explain(refused, a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config,
-                     dst_signals, signal_granularity)
+                     dst_signals, signal_granularity, None, alpha)
     plan = _make_plan(
-        a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals, signal_granularity
+        a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals, signal_granularity,
+        None, alpha,
     )
     _remember(key, plan)
-    return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals)
+    return plan.launch(a, b, out, masked_m, a_scale, b_scale, dst_signals, () if alpha is None else (alpha,))
 
 
 def _as_custom_op(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals,
-                  stream, combine):
+                  stream, combine, alpha=None):
     """The call as torch.compile sees it: a ``torch.ops.flashgemm`` op
     (registered by ``torch_ops`` when the package is imported)."""
-    eager_only = {"config": config, "dst_signals": dst_signals, "stream": stream, "combine": combine}
+    eager_only = {"config": config, "dst_signals": dst_signals, "stream": stream, "combine": combine,
+                  "alpha": alpha}
     given = [name for name, value in eager_only.items() if value is not None]
     if given:
         raise ValueError(f"{', '.join(given)} cannot be traced by torch.compile; call "
@@ -347,11 +380,20 @@ def _extent(t) -> int:
 
 def _make_plan(
     a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals, signal_granularity,
-    combine=None,
-) -> _LaunchPlan:
-    """Every check, in order; raises on bad input before anything launches."""
-    e_count, max_m, n, k = validate_args(a, b, out, masked_m, a_scale, b_scale)
+    combine=None, alpha=None,
+):
+    """Every check, in order; raises on bad input before anything launches:
+    the arguments' metadata first (no GPU needed), then the device."""
+    fmt = infer_format(a, a_scale)
+    if fmt.block_scaled:
+        sizes = validate_blockscaled_args(fmt, a, b, out, masked_m, a_scale, b_scale, alpha)
+    else:
+        check_alpha(fmt, alpha, 0)
+        sizes = validate_args(a, b, out, masked_m, a_scale, b_scale)
+    e_count, max_m, n, k = sizes
     routing = ()
+    if combine is not None and fmt.block_scaled:
+        raise ValueError(f"combine takes bf16 or 1x128 fp8 operands on sm_90, not {fmt.value}")
     if combine is not None:
         routing = check_combine(combine, out, dst_signals, e_count, max_m, n,
                                 {"a": a, "b": b, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale})
@@ -363,14 +405,23 @@ def _make_plan(
         capability, sm_count, name = (0, 0), 0, ""
     grid_cap = validate_device(
         {"a": a, "b": b, "out": out, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale,
-         "dst_signals": dst_signals, **dict(zip(COMBINE_FIELDS, routing))},
+         "alpha": alpha, "dst_signals": dst_signals, **dict(zip(COMBINE_FIELDS, routing))},
         num_sms, capability, sm_count, name,
     )
+    backend = backend_name(capability) or "sm90"  # (validate_device refused GPUs without one)
+    check_format_on(fmt, backend)
+    if backend != "sm90":
+        if combine is not None:
+            raise ValueError(f"combine is available on sm_90 only; this GPU's kernels are {backend}'s")
+        from .sm100.launch import make_plan
+
+        return make_plan(fmt, sizes, a, b, out, masked_m, a_scale, b_scale, alpha, expected_m, config,
+                         dst_signals, signal_granularity, grid_cap)
     config = _resolve_config(
         config, expected_m, max_m, n, k, grid_cap, fp8, e_count, signals=dst_signals is not None,
         combine=combine is not None,
     )
-    epilogue = Epilogue.STORE if combine is None else Epilogue.COMBINE
+    epilogue = Epilogue.STORE if combine is None else combine_epilogue(combine)
     cn = config.cluster_n
     if grid_cap < cn:
         raise ValueError(f"config.cluster_n={cn} needs num_sms >= {cn}, got {grid_cap}")

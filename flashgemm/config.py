@@ -70,6 +70,12 @@ class Epilogue(enum.Enum):
 
     STORE = "store"  # bf16 rows out[e, :m_e]
     COMBINE = "combine"  # weight * row reduce-added into its token's fp32 row of a [T, N] output
+    COMBINE_BF16 = "combine_bf16"  # the same into a bf16 output: half the bytes (docs/design.md)
+
+    @property
+    def combines(self) -> bool:
+        """The fused combine: every row leaves as a weighted reduction."""
+        return self is not Epilogue.STORE
 
 
 SIGNAL_MODES = (None, "m_block", "expert")
@@ -261,5 +267,5 @@ class KernelSpec:
     epilogue: Epilogue = Epilogue.STORE
 
     def name(self) -> str:
-        tail = "combine" if self.epilogue is Epilogue.COMBINE else self.signal_mode or "nosig"
+        tail = self.epilogue.value if self.epilogue.combines else self.signal_mode or "nosig"
         return f"{self.operands.value}-{self.config.short_name()}-{tail}"

@@ -9,15 +9,29 @@ import time
 PTX_FEATURES = {
     "wgmma": "wgmma.mma_async",
     "fp8-wgmma": ".e4m3.e4m3",
-    "tma-load": "cp.async.bulk.tensor.3d.shared::cta.global",
+    # 3d TMA loads into this CTA (Hopper, 1-CTA Blackwell) or into a CTA pair's
+    # shared memory (sm_100 2-CTA: .shared::cluster ... .cta_group::2)
+    "tma-load": re.compile(r"cp\.async\.bulk\.tensor\.3d\.shared::(cta|cluster)\.global"),
     "tma-store": "cp.async.bulk.tensor.3d.global.shared::cta",
     "setmaxnreg": "setmaxnreg",
     "stmatrix": "stmatrix",
     "bulk-reduce": "cp.reduce.async.bulk",
     "acquire-poll": "ld.acquire.gpu",
     "combine-reduce": "red.relaxed.gpu.global.add.v4.f32",
+    "combine-reduce-bf16": "red.relaxed.gpu.global.add.noftz.v4.bf16x2",
     "fp8-cvt": "cvt.rn.satfinite.e4m3x2.f32",
+    # Blackwell (sm_100a / sm_103a)
+    "tcgen05-mma-mxf8f6f4": re.compile(r"tcgen05\.mma\S*\.kind::mxf8f6f4\.block_scale"),
+    "tcgen05-mma-mxf4nvf4": re.compile(r"tcgen05\.mma\S*\.kind::mxf4nvf4\.block_scale"),
+    "tcgen05-mma-f16": re.compile(r"tcgen05\.mma\S*\.kind::f16"),
+    "tcgen05-mma-f8f6f4": re.compile(r"tcgen05\.mma\S*\.kind::f8f6f4"),  # fp8 without block scales
+    "cta_group::2": re.compile(r"tcgen05\.mma\.cta_group::2"),
+    "tcgen05.alloc": "tcgen05.alloc",
+    "tcgen05.cp": "tcgen05.cp",
+    "tcgen05.ld": "tcgen05.ld",
 }
+# the MMA kind each sm100 format must use
+SM100_MMA_FEATURE = {"mxfp8": "tcgen05-mma-mxf8f6f4", "nvfp4": "tcgen05-mma-mxf4nvf4", "bf16": "tcgen05-mma-f16"}
 # A signalled kernel's publishing sequence, in this order: the bulk stores
 # complete (the full wait, not ``.read``), the async-proxy writes are fenced
 # before generic operations, then the GPU-scope release add.
@@ -28,7 +42,8 @@ SIGNAL_SEQUENCE = re.compile(
 
 
 def ptx_features(ptx: str) -> list[str]:
-    feats = [name for name, needle in PTX_FEATURES.items() if needle in ptx]
+    feats = [name for name, needle in PTX_FEATURES.items()
+             if (needle.search(ptx) if isinstance(needle, re.Pattern) else needle in ptx)]
     if SIGNAL_SEQUENCE.search(ptx):
         feats.append("signal-publish")
     return feats
@@ -50,16 +65,19 @@ def cmd_compile(args) -> int:
     """Build (and with ``--cache-dir`` store) every kernel the package can
     launch, one line each with the PTX features found; exit 1 if a kernel
     lacks what it must have."""
+    from .jit.arch import ensure_arch_env
+
+    arch = ensure_arch_env(args.arch)
+    if arch.startswith("sm_10"):
+        return _compile_sm100(args, arch)
     from .config import Epilogue
     from .jit import cache
-    from .jit.arch import ensure_arch_env
     from .jit.key import cache_key
     from .moe.activation import activation_key, build as build_activation
     from .signals import DEFAULT_ROWS_PER_ITEM
     from .sm90.build import build, build_combine, combine_block_ms, combine_key
     from .sm90.heuristic import reachable_specs
 
-    arch = ensure_arch_env(args.arch)
     cache_dir = getattr(args, "cache_dir", None)
     specs = [s for s in reachable_specs() if not args.match or args.match in s.name()]
     block_ms = [] if args.match else combine_block_ms(reachable_specs())
@@ -93,8 +111,9 @@ def cmd_compile(args) -> int:
             ok &= "wgmma" in feats and "tma-load" in feats
             if what.signal_mode is not None:
                 ok &= "signal-publish" in feats
-            if what.epilogue is Epilogue.COMBINE:
-                ok &= "combine-reduce" in feats and "tma-store" not in feats
+            if what.epilogue.combines:
+                reduce = "combine-reduce-bf16" if what.epilogue is Epilogue.COMBINE_BF16 else "combine-reduce"
+                ok &= reduce in feats and "tma-store" not in feats
         print(f"  [{i + 1:3d}/{len(jobs)}] {name:58s} {time.perf_counter() - t0:5.1f} s  "
               f"PTX: {', '.join(feats) or '-'}", flush=True)
     secs = time.perf_counter() - t_all
@@ -102,4 +121,71 @@ def cmd_compile(args) -> int:
     if cache_dir:
         print(f"{len(jobs)} kernels for {arch} in {cache_dir} ({secs:.1f} s); "
               f"use them with FLASHGEMM_CACHE_DIR={cache_dir}")
+    return 0 if ok else 1
+
+
+def sm100_ok(spec, feats) -> bool:
+    """What an sm_100 GEMM's PTX must show: its format's MMA kind, TMEM
+    allocation and loads, TMA loads and stores, tcgen05.cp for the scales,
+    cta_group::2 exactly for a CTA pair, the signal sequence when signalled."""
+    cfg = spec.config
+    need = {SM100_MMA_FEATURE[cfg.fmt.value], "tma-load", "tma-store", "tcgen05.alloc", "tcgen05.ld"}
+    if cfg.fmt.block_scaled:
+        need.add("tcgen05.cp")
+    if spec.signal_mode is not None:
+        need.add("signal-publish")
+    return need <= set(feats) and ("cta_group::2" in feats) == (cfg.cluster_size == 2)
+
+
+def blockwise_ok(spec, feats) -> bool:
+    """The DeepSeek fp8 recipe on sm_100: fp8 MMAs without block scales into
+    tensor memory, TMA loads and stores, the signal sequence when signalled."""
+    need = {"tcgen05-mma-f8f6f4", "tma-load", "tma-store", "tcgen05.alloc", "tcgen05.ld"}
+    if spec.signal_mode is not None:
+        need.add("signal-publish")
+    return need <= set(feats) and "tcgen05.cp" not in feats
+
+
+def _compile_sm100(args, arch: str) -> int:
+    """``compile`` for sm_100a / sm_103a: every GEMM the sm100 heuristics can
+    pick (block-scaled and bf16, and the DeepSeek fp8 recipe) and the MoE
+    activation kernels (the Hopper-only combines are not built)."""
+    from .jit import cache
+    from .jit.key import cache_key
+    from .moe.activation import activation_key, build as build_activation
+    from .sm100.blockwise_build import blockwise_specs, build_blockwise
+    from .sm100.build import build
+    from .sm100.heuristic import reachable_specs
+
+    cache_dir = getattr(args, "cache_dir", None)
+    specs = [s for s in reachable_specs() if not args.match or args.match in s.name()]
+    jobs = [(s.name(), cache_key(arch, s), lambda s=s: build(s, arch, keep_ptx=True),
+             lambda feats, s=s: sm100_ok(s, feats)) for s in specs]
+    blockwise = [s for s in blockwise_specs() if not args.match or args.match in s.name()]
+    jobs += [(s.name(), cache_key(arch, "sm100-blockwise", s), lambda s=s: build_blockwise(s, arch, keep_ptx=True),
+              lambda feats, s=s: blockwise_ok(s, feats)) for s in blockwise]
+    activations = [True, False] if not args.match or getattr(args, "moe", False) else []
+    jobs += [(f"moe-silu_mul-{'fp8' if fp8 else 'bf16'}", activation_key(arch, fp8),
+              lambda fp8=fp8: build_activation(fp8, arch, keep_ptx=True),
+              lambda feats, fp8=fp8: ("fp8-cvt" in feats) == fp8) for fp8 in activations]
+    print(f"compiling the {len(jobs)} kernels flashgemm can launch on {arch}: {len(specs)} GEMMs (every "
+          f"configuration the heuristic picks x signal mode), {len(blockwise)} DeepSeek fp8 GEMMs and "
+          f"{len(activations)} MoE activations (no GPU needed)" + (f", into {cache_dir}" if cache_dir else ""),
+          flush=True)
+    ok = True
+    t_all = time.perf_counter()
+    for i, (name, key, make, check) in enumerate(jobs):
+        t0 = time.perf_counter()
+        fn = cache.store(key, make, cache_dir) if cache_dir else make()
+        ptx = getattr(fn, "__ptx__", None)
+        head = f"  [{i + 1:3d}/{len(jobs)}] {name:58s} {time.perf_counter() - t0:5.1f} s"
+        if ptx is None:  # loaded from the cache directory: no PTX to read
+            print(f"{head}  (in the cache)", flush=True)
+            continue
+        feats = ptx_features(ptx)
+        good = check(feats)
+        ok &= good
+        print(f"{head}  PTX: {', '.join(feats) or '-'}" + ("" if good else "  MISSING A REQUIRED FEATURE"),
+              flush=True)
+    print(f"done in {time.perf_counter() - t_all:.0f} s", flush=True)
     return 0 if ok else 1

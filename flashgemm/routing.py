@@ -8,10 +8,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .config import Epilogue
 from .validation import _byte_span, _check_tensor, _overlaps
 
 COMBINE_FIELDS = ("combine.token_index", "combine.weight", "combine.output", "combine.err")
 ERR_BAD_TOKEN = 2  # error-word bit: a token index outside [0, T) (that row skipped)
+# the dtypes the sums may have: fp32, or bf16 (half the reduction bytes; docs/design.md)
+SUM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Combine(NamedTuple):
@@ -20,7 +23,7 @@ class Combine(NamedTuple):
 
     token_index: torch.Tensor  # [E, max_m] int32 (only rows < m_e are read as routing)
     weight: torch.Tensor  # [E, max_m] float32
-    output: torch.Tensor  # [T, N] float32, contiguous, 16-byte aligned: reduce-added into
+    output: torch.Tensor  # [T, N] float32 or bfloat16, contiguous, 16-byte aligned: reduce-added into
     err: Optional[torch.Tensor] = None  # [1] int32 error word, zeroed by the caller
 
 
@@ -39,7 +42,7 @@ def check_combine(combine, out, dst_signals, e_count: int, max_m: int, n: int, i
         if tuple(t.shape) != (e_count, max_m) or t.stride(1) != 1:
             raise ValueError(f"{name} must have shape (E, max_m) = {(e_count, max_m)} with a "
                              f"contiguous last dim, got shape {tuple(t.shape)} strides {tuple(t.stride())}")
-    _check_tensor("combine.output", output, 2, (torch.float32,))
+    _check_tensor("combine.output", output, 2, SUM_DTYPES)
     if output.shape[1] != n or not output.is_contiguous() or output.shape[0] < 1:
         raise ValueError(f"combine.output must be a contiguous [T, N={n}] tensor with T >= 1, "
                          f"got shape {tuple(output.shape)} strides {tuple(output.stride())}")
@@ -58,3 +61,8 @@ def check_combine(combine, out, dst_signals, e_count: int, max_m: int, n: int, i
     if _overlaps(_byte_span(err), _byte_span(token_index)) or _overlaps(_byte_span(err), _byte_span(weight)):
         raise ValueError("combine.err must not overlap the routing tensors")
     return token_index, weight, output, err
+
+
+def combine_epilogue(combine: Combine) -> Epilogue:
+    """The epilogue that sums into ``combine.output``'s dtype."""
+    return Epilogue.COMBINE_BF16 if combine.output.dtype == torch.bfloat16 else Epilogue.COMBINE

@@ -211,6 +211,15 @@ def out_dtype(ab_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if ab_dtype == _FP8 else ab_dtype
 
 
+def check_expected_m(expected_m) -> None:
+    """The host hint: an int >= 0, or None."""
+    if expected_m is not None:
+        if isinstance(expected_m, bool) or not isinstance(expected_m, int):
+            raise TypeError(f"expected_m must be an int or None, got {type(expected_m).__name__}")
+        if expected_m < 0:
+            raise ValueError(f"expected_m must be >= 0, got {expected_m}")
+
+
 def check_num_sms(num_sms, sm_count: int, device) -> int:
     """The persistent-grid cap: ``num_sms`` (an int in [1, sm_count]) or every SM."""
     if num_sms is None:
@@ -243,7 +252,7 @@ def validate_device(
             raise ValueError(f"{arg} is on {dev} but {first_arg} is on {first}; all must share one device")
     if backend_name(capability) is None:
         raise ValueError(
-            f"flashgemm's kernels need an sm_90 (Hopper) GPU; {first} is "
+            f"flashgemm's kernels need an sm_90 (Hopper) or sm_100 / sm_103 (Blackwell) GPU; {first} is "
             f"{name + ' ' if name else ''}sm_{capability[0]}{capability[1]}"
         )
     return check_num_sms(num_sms, sm_count, first)

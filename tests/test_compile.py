@@ -294,8 +294,10 @@ def test_cli_compile_lists_every_kernel(cli_compile_listing):
         # a signalled kernel publishes: bulk stores complete, proxy fence, release add
         assert ("signal-publish" in feats) == (spec.signal_mode is not None), spec.name()
         # the fused combine reduces its rows into the token rows and stores none
-        fused = spec.epilogue is Epilogue.COMBINE
-        assert ("combine-reduce" in feats) == fused and ("tma-store" in feats) != fused, spec.name()
+        fused = spec.epilogue.combines
+        assert ("combine-reduce" in feats) == (spec.epilogue is Epilogue.COMBINE), spec.name()
+        assert ("combine-reduce-bf16" in feats) == (spec.epilogue is Epilogue.COMBINE_BF16), spec.name()
+        assert ("tma-store" in feats) != fused, spec.name()
     assert "fp8-cvt" in lines["moe-silu_mul-fp8"][2] and "fp8-cvt" not in lines["moe-silu_mul-bf16"][2]
     for block_m in block_ms:
         _, _, feats = lines[f"combine-block_m{block_m}-rows4"]

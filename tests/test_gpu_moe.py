@@ -202,3 +202,50 @@ def test_deep_gemm_overlap_form_counts_64_row_blocks_to_the_threshold(seed):
         assert d[e, m:].isnan().all()
         if m:
             assert similarity(d[e, :m].float(), ref[e, :m]) < 1e-4
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_fused_combine_into_bf16_stays_within_the_rounding_bound(seed, fp8):
+    """bf16 sums against fp32 sums of the same kernel rows: each L2 add
+    rounds the running sum to bf16 and each weighted row is rounded to bf16
+    once before its add, so a token with k rows is off by at most
+    (k + 2) * 2**-8 * (|base| + sum |w * y|) (half an ulp, 2**-9, per
+    rounding, doubled for slack); tokens nobody routed keep their bits."""
+    e_count, max_m, n, k, tokens = 6, 80, 1024, 512, 400  # some tokens routed nowhere
+    a = torch.randn(e_count, max_m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(e_count, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    xs = ws = None
+    if fp8:
+        a, xs = quantize_fp8_per_token(a)
+        b, ws = quantize_fp8_per_block(b)
+    masked = torch.tensor([80, 0, 37, 80 + 9, 1, 64], dtype=torch.int32)
+    mm = masked.cuda()
+    tok, wt = _routing(masked, max_m, tokens)
+    base = torch.randn(tokens, n, device="cuda").to(torch.bfloat16)
+    sums = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        sums[dtype] = base.to(dtype, copy=True)
+        got, err = flashgemm.grouped_gemm_nt_masked(a, b, None, mm, a_scale=xs, b_scale=ws,
+                                                    combine=Combine(tok, wt, sums[dtype]))
+        torch.cuda.synchronize()
+        assert got is sums[dtype] and int(err.item()) == 0
+    # the kernel's rows are rounded to bf16 before they are weighted
+    y = flashgemm.reference.grouped_gemm_nt_masked_ref(a, b, mm, a_scale=xs, b_scale=ws).to(torch.bfloat16)
+    ref = base.double()
+    mag = base.double().abs()
+    count = torch.zeros(tokens, 1, dtype=torch.float64, device="cuda")
+    for e, m in enumerate(mm.clamp(0, max_m).tolist()):
+        t = tok[e, :m].long()
+        term = wt[e, :m, None].double() * y[e, :m].double()
+        ref.index_add_(0, t, term)
+        mag.index_add_(0, t, term.abs())
+        count.index_add_(0, t, torch.ones(m, 1, dtype=torch.float64, device="cuda"))
+    routed = count[:, 0] > 0
+    assert routed.any() and not routed.all()
+    output, exact = sums[torch.bfloat16], sums[torch.float32].double()
+    assert torch.equal(output[~routed], base[~routed])
+    assert similarity(exact[routed] - base[routed].double(), ref[routed] - base[routed].double()) < \
+        (1e-4 if fp8 else 1e-6)
+    bound = (count + 2) * 2.0**-8 * mag
+    excess = ((output.double() - exact).abs() - bound)[routed]
+    assert excess.max() <= 0, f"bf16 sums off by more than the rounding bound: {excess.max().item()}"

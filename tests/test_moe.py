@@ -140,6 +140,8 @@ def test_activation_kernels_ptx(activation_ptx):
         assert ".local" not in ptx
         # rows past m_e are never touched: the walk reads masked_m
         assert "ld.global.b32" in ptx
+    for ptx in activation_ptx.values():  # programmatic dependent launch: wait before gate_up's rows
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global.b32")
     assert "cvt.rn.satfinite.e4m3x2.f32" in activation_ptx[True]
     assert "shfl.sync.bfly" in activation_ptx[True]  # the 128-column block's amax
     assert "e4m3" not in activation_ptx[False]
@@ -150,9 +152,14 @@ def test_activation_kernels_ptx(activation_ptx):
     (H.FP8_MID_CONFIG, Operands.FP8_BLOCK),
     (H.MID_192_CONFIG, Operands.BF16),
 ], ids=["fp8-decode", "fp8-mid", "bf16-192"])
-def test_fused_combine_ptx(cfg, ops):
-    ptx = build(KernelSpec(cfg, ops, None, Epilogue.COMBINE), "sm_90a", keep_ptx=True).__ptx__
-    assert ptx.count("red.relaxed.gpu.global.add.v4.f32") >= 2
+@pytest.mark.parametrize("epilogue", [Epilogue.COMBINE, Epilogue.COMBINE_BF16], ids=["fp32", "bf16"])
+def test_fused_combine_ptx(cfg, ops, epilogue):
+    ptx = build(KernelSpec(cfg, ops, None, epilogue), "sm_90a", keep_ptx=True).__ptx__
+    f32, bf16 = "red.relaxed.gpu.global.add.v4.f32", "red.relaxed.gpu.global.add.noftz.v4.bf16x2"
+    if epilogue is Epilogue.COMBINE:
+        assert ptx.count(f32) >= 2 and bf16 not in ptx
+    else:  # one 16-byte reduction of eight bf16 sums per row piece
+        assert ptx.count(bf16) >= 1 and f32 not in ptx
     assert "cp.async.bulk.tensor.3d.global.shared::cta" not in ptx  # no bf16 rows stored
     assert "red.release" not in ptx  # and no signals
     assert ".local" not in ptx
@@ -165,8 +172,23 @@ def test_heuristic_fused_combine_picks_pair_staging():
             assert cfg.staging is Staging.PAIR
             assert cfg.replace(staging=H.choose_config(em, 4096, 7168, 2048, 132, fp8, 8).staging) == \
                 H.choose_config(em, 4096, 7168, 2048, 132, fp8, 8)
-    combine_specs = [s for s in H.reachable_specs() if s.epilogue is Epilogue.COMBINE]
+    combine_specs = [s for s in H.reachable_specs() if s.epilogue.combines]
     assert combine_specs and all(s.signal_mode is None for s in combine_specs)
+    # every fused-combine configuration is built for both dtypes of the sums
+    by_epilogue = {epi: {s.config for s in combine_specs if s.epilogue is epi} for epi in H.COMBINES}
+    assert by_epilogue[Epilogue.COMBINE] == by_epilogue[Epilogue.COMBINE_BF16]
+
+
+def test_combine_output_dtype_picks_the_epilogue():
+    from flashgemm.routing import combine_epilogue
+
+    c = _routing(3, 8, 16, 5)
+    assert combine_epilogue(c) is Epilogue.COMBINE
+    bf = c._replace(output=torch.zeros(5, 16, dtype=torch.bfloat16))
+    assert len(check_combine(bf, None, None, 3, 8, 16, {})) == 4
+    assert combine_epilogue(bf) is Epilogue.COMBINE_BF16
+    with pytest.raises(TypeError, match="combine.output must have dtype"):
+        check_combine(c._replace(output=torch.zeros(5, 16, dtype=torch.float16)), None, None, 3, 8, 16, {})
 
 
 def test_torch_compile_traces_the_op_fullgraph():
@@ -240,3 +262,8 @@ def test_deep_gemm_compat_maps_arguments(monkeypatch):
         dg.m_grouped_bf16_gemm_nt_masked(a, b, "d", "mm", 128, enable_overlap=True)
     with pytest.raises(ValueError, match="recipe must be None or"):
         dg.m_grouped_fp8_gemm_nt_masked((a, "sfa"), (b, "sfb"), "d", "mm", 128, recipe=(1, 1, 128))
+    # Blackwell's kernels signal 128-row blocks: the overlap form says so instead of miscounting
+    monkeypatch.setattr(dg, "device_facts", lambda index: ((10, 0), 148, "B200"))
+    with pytest.raises(ValueError, match="needs 64-row signal blocks.*sm_100"):
+        dg.m_grouped_fp8_gemm_nt_masked((a, "sfa"), (b, "sfb"), "d", "mm", 128, enable_overlap=True,
+                                        signal="sig")

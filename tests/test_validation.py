@@ -391,7 +391,7 @@ def test_launcher_passes_every_tensor_to_the_device_check(monkeypatch):
     sig = torch.zeros(8, dtype=torch.int32)
     with pytest.raises(Stop):
         api._make_plan(a, b, out, mm, None, None, None, None, None, sig, "expert")
-    assert set(seen) == {"a", "b", "out", "masked_m", "a_scale", "b_scale", "dst_signals"}
+    assert set(seen) == {"a", "b", "out", "masked_m", "a_scale", "b_scale", "alpha", "dst_signals"}
     assert seen["dst_signals"] is sig and seen["out"] is out and seen["a_scale"] is None
 
 
@@ -401,11 +401,16 @@ def test_device_out_none_skipped():
     assert validate_device(t, None, HOPPER, SMS) == SMS
 
 
-@pytest.mark.parametrize("cap,shown", [((8, 0), "sm_80"), ((10, 0), "sm_100"), ((9, 1), "sm_91")])
+@pytest.mark.parametrize("cap,shown", [((8, 0), "sm_80"), ((12, 0), "sm_120"), ((9, 1), "sm_91")])
 def test_device_wrong_capability(cap, shown):
     t = cuda_tensors(a="cuda:0", b="cuda:0")
-    with pytest.raises(ValueError, match=rf"sm_90 \(Hopper\).*cuda:0 is NVIDIA X {shown}$"):
+    with pytest.raises(ValueError, match=rf"sm_90 \(Hopper\) or sm_100 / sm_103 \(Blackwell\).*cuda:0 is NVIDIA X {shown}$"):
         validate_device(t, None, cap, SMS, "NVIDIA X")
+
+
+@pytest.mark.parametrize("cap", [(9, 0), (10, 0), (10, 3)])
+def test_device_capabilities_with_kernels(cap):
+    assert validate_device(cuda_tensors(a="cuda:0"), None, cap, SMS) == SMS
 
 
 def test_device_wrong_capability_without_name():

@@ -30,7 +30,13 @@ def _overlap_config(a, b, num_sms, fp8):
     """The heuristic's 64-row tile for a signalled call: its signal counts
     64-row blocks, whatever expected_m is."""
     e_count, max_m, k = a.shape
-    sms = num_sms or device_facts(a.device.index)[1]
+    capability, sm_count, _ = device_facts(a.device.index)
+    if tuple(capability) != (9, 0):
+        # the sm100 kernels signal 128-row blocks; DeepEP's combine asserts 64
+        raise ValueError(f"enable_overlap=True needs {OVERLAP_BLOCK_M}-row signal blocks, which only the "
+                         f"sm_90 kernels publish; this GPU is sm_{capability[0]}{capability[1]}. Use "
+                         "flashgemm.grouped_gemm_nt_masked(..., dst_signals=) with its signal_layout instead")
+    sms = num_sms or sm_count
     cfg = choose_config(_DECODE_M, max_m, b.shape[1], k, sms, fp8, e_count, signals=True)
     if cfg.tile_m != OVERLAP_BLOCK_M:  # (the decode regime's tiles are 64 rows high)
         raise RuntimeError(f"the overlap form needs {OVERLAP_BLOCK_M}-row tiles, the heuristic gave {cfg.tile_m}")

@@ -12,7 +12,7 @@ import os
 from typing import Optional
 
 # compute capability -> the arch package with kernels for it
-BACKENDS = {(9, 0): "sm90"}
+BACKENDS = {(9, 0): "sm90", (10, 0): "sm100", (10, 3): "sm100"}
 
 
 @functools.lru_cache(maxsize=None)

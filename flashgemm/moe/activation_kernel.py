@@ -21,7 +21,7 @@ MIN_AMAX = 1e-10  # an all-zero block still gets a finite scale (as quant.py)
 THREADS = 256
 VEC = 8  # bf16 elements per 16-byte load
 LANES_PER_BLOCK = 128 // VEC  # 16 lanes cover one 128-column scale block
-ROWS_PER_UNIT = 4  # rows of one expert per unit of the persistent walk
+ROWS_PER_UNIT = 1  # rows per unit of the persistent walk: one row keeps every CTA busy (docs/design.md)
 
 
 class SiluMulQuant:
@@ -35,7 +35,8 @@ class SiluMulQuant:
     each), computes silu(gate) * up in fp32, and for fp8 the 16 lanes of a
     128-column block reduce their |max| with butterfly shuffles; the lanes
     store 8 fp8 bytes each and the block's first lane its scale. No shared
-    memory, no pipelines.
+    memory, no pipelines. Launched with PDL: every thread first waits for
+    the previous grid (``griddepcontrol.wait``).
     """
 
     def __init__(self, fp8: bool):
@@ -51,8 +52,10 @@ class SiluMulQuant:
         num_ctas: Int32,
         stream,
     ):
+        # launched programmatically dependent: its launch overlaps the gate_up
+        # GEMM's tail and the down GEMM's launch overlaps this one (docs/design.md)
         self.kernel(mGU, mMaskedM, mOut, mScale).launch(
-            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream
+            grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.kernel
@@ -69,6 +72,10 @@ class SiluMulQuant:
         gate = cute.make_rmem_tensor((VEC,), mGU.element_type)
         up = cute.make_rmem_tensor((VEC,), mGU.element_type)
         hv = cute.make_rmem_tensor((VEC,), Float32)
+        # gate_up's rows are final once the grid before this one has finished;
+        # the next grid (the down GEMM) waits for this one's end the same way
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
         sched = MaskedTileScheduler.create(
             mMaskedM, num_experts, max_m, Int32(1), ROWS_PER_UNIT, bidx, gdim
         )

@@ -70,7 +70,7 @@ class MaskedExperts:
         layer, else bf16); masked_m: int32 [E] on the GPU.
 
         With ``combine`` the down GEMM reduce-adds each valid row, times its
-        routing weight, into ``combine.output`` (fp32 [T, H]) and the call
+        routing weight, into ``combine.output`` (fp32 or bf16 [T, H]) and the call
         returns ``(output, err)``. With ``dst_signals`` it returns ``(y,
         layout)`` as ``grouped_gemm_nt_masked`` does, for a combine that
         polls. Otherwise it returns y [E, max_m, H] bf16 (rows >= m_e unwritten).

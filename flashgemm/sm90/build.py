@@ -33,7 +33,7 @@ def _cutlass_dtype(name: str):
     return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8e4m3": cutlass.Float8E4M3FN}[name]
 
 
-def _fake_args(ab_dtype, out_dtype):
+def _fake_args(ab_dtype, out_dtype, sum_dtype=None):
     """Fake (E, max_m, K) / (E, N, K) / (E, max_m, N) / (E,) tensors with symbolic
     extents and 16-byte-aligned symbolic strides (the TMA requirement)."""
     import cutlass
@@ -57,11 +57,12 @@ def _fake_args(ab_dtype, out_dtype):
         # weight scales (E, N/128, K/128) read element-wise: any strides
         sfa = fake(f32, (e, m, kb), (ld(f32), 1, ld(f32)), assumed_align=16)
         sfb = fake(f32, (e, nb, kb), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
-    # Epilogue.COMBINE: the routing of each row and the token-major fp32 output
+    # the fused combine: the routing of each row and the token-major output of the sums
+    sum_dtype = sum_dtype or cutlass.Float32
     routing = (
         fake(cutlass.Int32, (e, m), (cute.sym_int64(), 1), assumed_align=4),
         fake(cutlass.Float32, (e, m), (cute.sym_int64(), 1), assumed_align=4),
-        cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), n), stride_order=(1, 0),
+        cute.runtime.make_fake_compact_tensor(sum_dtype, (cute.sym_int(), n), stride_order=(1, 0),
                                               assumed_align=16),
         fake(cutlass.Int32, (1,), (1,), assumed_align=4),
     )
@@ -75,7 +76,7 @@ def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, 
     mode; the scales are None for bf16; ``counter``, an int32 (2,) workspace
     that is zero between launches, only for the dynamic order, else None;
     ``out`` None and the routing tensors given only for
-    ``Epilogue.COMBINE``); with ``keep_ptx`` its ``__ptx__``
+    the fused combine); with ``keep_ptx`` its ``__ptx__``
     holds the generated PTX. ``trace``: a development build whose
     ``signals`` argument is a ``flashgemm.trace`` timeline buffer (never cached)."""
     arch = ensure_arch_env(arch)
@@ -88,8 +89,9 @@ def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, 
     check_config(config, operands, spec.epilogue)
     ab_t, out_t = _cutlass_dtype(operands.value), _cutlass_dtype(OUT_DTYPE)
     gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, spec.signal_mode, trace=trace, epilogue=spec.epilogue)
-    a, b, d, masked_m, signals, sfa, sfb, routing = _fake_args(ab_t, out_t)
-    if spec.epilogue is Epilogue.COMBINE:
+    sum_t = cutlass.BFloat16 if spec.epilogue is Epilogue.COMBINE_BF16 else cutlass.Float32
+    a, b, d, masked_m, signals, sfa, sfb, routing = _fake_args(ab_t, out_t, sum_t)
+    if spec.epilogue.combines:
         d = None
     else:
         routing = (None, None, None, None)

@@ -54,11 +54,12 @@ class _NoLoopState:
 
 
 class CombineTarget(NamedTuple):
-    """``Epilogue.COMBINE``: where each valid row goes, and how heavily."""
+    """The fused combine (``Epilogue.COMBINE``, ``COMBINE_BF16``): where each
+    valid row goes, and how heavily."""
 
     mTokenIdx: cute.Tensor  # (E, max_m) int32: the token of each dispatched row
     mWeight: cute.Tensor  # (E, max_m) fp32: its routing weight
-    mCombined: cute.Tensor  # (T, N) fp32, contiguous: reduce-added into
+    mCombined: cute.Tensor  # (T, N) fp32 or bf16, contiguous: reduce-added into
     mErr: cute.Tensor  # (1,) int32 error word: ERR_BAD_TOKEN for a token outside [0, T)
 
 
@@ -81,7 +82,7 @@ class TileEpilogue(_NoLoopState):
         consumer_barrier: pipeline.NamedBarrier,  # the consumers alone
         epi_tile: tuple,
         handoff=None,  # Staging.WHOLE_TILE: (barriers.WarpgroupHandoff, this warpgroup's index)
-        combine=None,  # Epilogue.COMBINE: a CombineTarget
+        combine=None,  # the fused combine: a CombineTarget
     ):
         self.accumulators = accumulators
         self.combine = combine
@@ -223,13 +224,15 @@ class TileEpilogue(_NoLoopState):
         self, expert: Int32, m_block: Int32, n_block: Int32, valid_rows: Int32, n_total: Int32,
         row_lo=None,
     ):
-        """``Epilogue.COMBINE``: rows < valid_rows (and >= row_lo) only. As
+        """The fused combine: rows < valid_rows (and >= row_lo) only. As
         ``_store_partial``, each sub-tile is staged in buffer 0 (rounded to
         bf16, as the stored output would be) and read back in 16-byte row
         pieces; a piece is scaled by its row's routing weight in fp32 and
-        reduce-added into its token's row of the combined output with two
-        ``red.global.add.v4.f32`` (performed in L2, in no fixed order). A
-        token outside [0, T) sets ERR_BAD_TOKEN and its row is skipped."""
+        reduce-added into its token's row of the combined output (performed
+        in L2, in no fixed order): an fp32 output takes two
+        ``red.global.add.v4.f32``, a bf16 one the piece rounded to bf16 in one
+        ``red.global.add.noftz.v4.bf16x2`` (half the bytes; docs/design.md).
+        A token outside [0, T) sets ERR_BAD_TOKEN and its row is skipped."""
         target = self.combine
         n_rem = n_total - n_block * self.tile_mn[1]
         num_tokens = cute.size(target.mCombined, mode=[0])
@@ -244,6 +247,7 @@ class TileEpilogue(_NoLoopState):
             src = cutlass.min(row0 + self.tSG_cD[(0, i, 0)][0], last_row)
             tokens[i] = target.mTokenIdx[expert, src]
             weights[i] = target.mWeight[expert, src]
+        bf16_sums = target.mCombined.element_type == self.out_dtype
         piece = cute.make_rmem_tensor((8,), self.out_dtype)
         vals = cute.make_rmem_tensor((8,), cutlass.Float32)
         for epi_idx in cutlass.range_constexpr(epi_tile_count(self.tile_mn)):
@@ -263,10 +267,16 @@ class TileEpilogue(_NoLoopState):
                             dst = target.mCombined.iterator + (
                                 token * n_total + n_block * self.tile_mn[1] + epi_idx * self.epi_tile[1] + col
                             )
-                            for h in cutlass.range_constexpr(2):  # two 16-byte reductions
-                                quad = cute.local_tile(vals, (4,), (h,)).load()
-                                cute.arch.red(dst + 4 * h, quad.ir_value(), op="add", dtype="f32",
+                            if cutlass.const_expr(bf16_sums):
+                                piece.store(vals.load().to(self.out_dtype))
+                                words = cute.recast_tensor(piece, Int32)  # 4 bf16 pairs
+                                cute.arch.red(dst, words.load().ir_value(), op="add", dtype="bf16x2",
                                               sem="relaxed", scope="gpu")
+                            else:
+                                for h in cutlass.range_constexpr(2):  # two 16-byte reductions
+                                    quad = cute.local_tile(vals, (4,), (h,)).load()
+                                    cute.arch.red(dst + 4 * h, quad.ir_value(), op="add", dtype="f32",
+                                                  sem="relaxed", scope="gpu")
                         else:
                             cute.arch.atomic_or(target.mErr.iterator, Int32(ERR_BAD_TOKEN))
             self.consumer_barrier.arrive_and_wait()  # buffer 0 read: free again

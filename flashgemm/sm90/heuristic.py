@@ -26,6 +26,8 @@ from ..config import (
 )
 
 A_CHUNK_ROWS = 32
+# the fused combine's builds: fp32 and bf16 sums
+COMBINES = (Epilogue.COMBINE, Epilogue.COMBINE_BF16)
 
 # ---- bf16 tiles -------------------------------------------------------------
 DECODE_CONFIG = GemmConfig(
@@ -262,7 +264,7 @@ def reachable_specs(operands: Optional[Operands] = None) -> tuple[KernelSpec, ..
                                 continue
                             final = _finish(cfg, fp8, hint, use == "signals", single, use == "combine")
                             if use == "combine":
-                                specs.append(KernelSpec(final, ops, None, Epilogue.COMBINE))
+                                specs.extend(KernelSpec(final, ops, None, epi) for epi in COMBINES)
                                 continue
                             modes = SIGNAL_MODES[1:] if use == "signals" else SIGNAL_MODES[:1]
                             specs.extend(KernelSpec(final, ops, mode) for mode in modes)

@@ -90,9 +90,8 @@ class MaskedGroupedGemmSm90:
         if config.tail is Tail.SPLIT and signal_mode is not None:
             # a tile's two halves finish on two CTAs; the signal counts tiles
             raise ValueError("config.tail=SPLIT builds take no signal_mode")
-        if epilogue is Epilogue.COMBINE and (signal_mode is not None or trace
-                                             or config.staging is not Staging.PAIR):
-            raise ValueError("an Epilogue.COMBINE build takes no signals, no trace and Staging.PAIR")
+        if epilogue.combines and (signal_mode is not None or trace or config.staging is not Staging.PAIR):
+            raise ValueError(f"an Epilogue.{epilogue.name} build takes no signals, no trace and Staging.PAIR")
         self.config = config
         self.epilogue = epilogue
         self.signal_mode = signal_mode
@@ -186,7 +185,7 @@ class MaskedGroupedGemmSm90:
         mCounter: cute.Tensor,  # dynamic: (2,) int32 claim counter, zero between launches; else None
         mTokenIdx: cute.Tensor,  # Epilogue.COMBINE (else None): (E, max_m) int32
         mWeight: cute.Tensor,  # (E, max_m) fp32
-        mCombined: cute.Tensor,  # (T, N) fp32
+        mCombined: cute.Tensor,  # (T, N) fp32, or bf16 for Epilogue.COMBINE_BF16
         mErr: cute.Tensor,  # (1,) int32
         num_ctas: Int32,
         stream,

@@ -74,7 +74,7 @@ def check_config(cfg: GemmConfig, operands: Operands, epilogue: Epilogue = Epilo
     if cfg.promotion is Promotion.OVERLAPPED and cfg.tile_n > 128:
         # three accumulator sets: 3 * tile_n / 2 registers per thread
         raise ValueError(f"config.tile_n must be <= 128 with promotion=OVERLAPPED, got {cfg.tile_n}")
-    if epilogue is Epilogue.COMBINE and cfg.staging is not Staging.PAIR:
+    if epilogue.combines and cfg.staging is not Staging.PAIR:
         raise ValueError("config.staging must be Staging.PAIR with the fused combine "
                          f"(its rows are staged sub-tile by sub-tile), got {cfg.staging.name}")
     n_stages = resolved_stages(cfg, operands, epilogue)

@@ -1,0 +1,177 @@
+"""The operand format of a call, and the host-side checks of the
+block-scaled (MXFP8 / NVFP4) arguments, before anything is launched.
+
+Like ``validation``, every check reads metadata only (shapes, strides,
+dtypes, pointers), so CPU tensors drive all of them; each failure names the
+argument and what was expected.
+
+How the format follows from the dtypes:
+
+=====================================  ============================  ============
+``a`` / ``b``                          ``a_scale`` / ``b_scale``     format
+=====================================  ============================  ============
+bfloat16                               None                          BF16
+float8_e4m3fn                          float32 (1x128 / 128x128)     FP8_BLOCK128
+float8_e4m3fn                          float8_e8m0fnu or uint8       MXFP8
+uint8 or float4_e2m1fn_x2 (packed)     float8_e4m3fn                 NVFP4
+=====================================  ============================  ============
+
+uint8 is accepted for E8M0 scales because ``blockscale.quantize_mxfp8``
+returns them so; uint8 ``a`` always means packed e2m1 (NVFP4), so NVFP4
+scales must carry their real dtype (float8_e4m3fn) and cannot be confused
+with MXFP8's bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import Format
+from .validation import _check_no_self_overlap, _check_tensor, _check_tma_operand, check_no_alias
+
+_FP8 = torch.float8_e4m3fn
+_E8M0 = torch.float8_e8m0fnu
+_FP4_BYTES = (torch.uint8, torch.float4_e2m1fn_x2)  # two e2m1 codes per byte along K
+_MX_SCALE_DTYPES = (_E8M0, torch.uint8)
+_ATOM_ROWS, _ATOM_COLS = 128, 4  # one scale atom: 128 rows x 4 scale columns (512 bytes)
+_OUT_ALIGN = 8  # bf16 output rows are whole 16-byte TMA lines
+
+
+def infer_format(a, a_scale) -> Format:
+    """The format a call's dtypes select (see the module's table). Anything
+    it cannot place goes to BF16's checks, whose errors name the dtype."""
+    dtype = getattr(a, "dtype", None)
+    if dtype in _FP4_BYTES:
+        return Format.NVFP4
+    if dtype != _FP8:
+        return Format.BF16
+    sdtype = getattr(a_scale, "dtype", None)
+    if sdtype is None or sdtype == torch.float32:
+        return Format.FP8_BLOCK128  # (a missing scale is reported by its checks)
+    if sdtype in _MX_SCALE_DTYPES:
+        return Format.MXFP8
+    raise TypeError(
+        f"with float8_e4m3fn a, a_scale must be float32 (DeepSeek 1x128 blocks) or float8_e8m0fnu / "
+        f"uint8 (MXFP8, blocked 128x4 layout); got {sdtype}"
+    )
+
+
+def logical_k(fmt: Format, a: torch.Tensor) -> int:
+    """K in elements: NVFP4 packs two per byte."""
+    return 2 * a.shape[2] if fmt is Format.NVFP4 else a.shape[2]
+
+
+def blocked_scale_shape(fmt: Format, num_experts: int, rows: int, k: int) -> tuple:
+    """(E, ceil(rows/128), ceil(K/vec/4), 32, 4, 4): ``blockscale.to_blocked_scales``' layout."""
+    cols = -(-k // fmt.sf_vec_size)
+    return (num_experts, -(-rows // _ATOM_ROWS), -(-cols // _ATOM_COLS), 32, 4, 4)
+
+
+def _scale_dtypes(fmt: Format) -> tuple:
+    return _MX_SCALE_DTYPES if fmt is Format.MXFP8 else (_FP8,)
+
+
+def _check_scale(name: str, t, fmt: Format, want: tuple, rows_name: str) -> None:
+    if t is None:
+        raise ValueError(f"{fmt.value} operands need {name}: blocked scales of shape {want} "
+                         f"(flashgemm.blockscale.to_blocked_scales); got None")
+    _check_tensor(name, t, 6, _scale_dtypes(fmt))
+    if tuple(t.shape) != want:
+        raise ValueError(
+            f"{name} must have shape (E, ceil({rows_name}/128), ceil(K/{fmt.sf_vec_size}/4), 32, 4, 4) "
+            f"= {want} (the 128x4-atom layout of blockscale.to_blocked_scales), got {tuple(t.shape)}"
+        )
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (the blocked layout is read as bytes), "
+                         f"got strides {tuple(t.stride())}")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} base address must be 16-byte aligned")
+
+
+def check_alpha(fmt: Format, alpha, num_experts: int) -> None:
+    """NVFP4 needs alpha (float32 [E], contiguous); no other format takes it."""
+    if fmt is not Format.NVFP4:
+        if alpha is not None:
+            raise ValueError(
+                f"alpha is only for NVFP4 operands (1 / (g_a * g_b) per expert); the {fmt.value} "
+                "kernels take none, so pass alpha=None"
+            )
+        return
+    if alpha is None:
+        raise ValueError(
+            "NVFP4 operands need alpha: float32 [E] = 1 / (g_a * g_b) of the global scales "
+            "(flashgemm.blockscale.nvfp4_alpha); pass torch.ones(E) if both global scales are 1"
+        )
+    _check_tensor("alpha", alpha, 1, (torch.float32,))
+    if alpha.shape[0] != num_experts:
+        raise ValueError(f"alpha must have E={num_experts} entries (one per expert), got {alpha.shape[0]}")
+    if alpha.stride(0) != 1 and num_experts > 1:
+        raise ValueError(f"alpha must be contiguous, got stride {alpha.stride(0)}")
+
+
+def validate_blockscaled_args(
+    fmt: Format, a, b, out, masked_m, a_scale, b_scale, alpha=None
+) -> tuple[int, int, int, int]:
+    """Every metadata check of an MXFP8 / NVFP4 call. Returns (E, max_m, N, K),
+    K in elements (twice the packed bytes for NVFP4)."""
+    if not fmt.block_scaled:
+        raise ValueError(f"validate_blockscaled_args is for MXFP8 / NVFP4, got {fmt.value}")
+    ab = _FP4_BYTES if fmt is Format.NVFP4 else (_FP8,)
+    _check_tensor("a", a, 3, ab)
+    _check_tensor("b", b, 3, ab)
+    _check_tensor("masked_m", masked_m, 1, (torch.int32,))
+    e_count, max_m, _ = a.shape
+    b_e, n, b_k = b.shape
+    k = logical_k(fmt, a)
+    packed = " (2 e2m1 per byte)" if fmt is Format.NVFP4 else ""
+    if e_count < 1:
+        raise ValueError(f"a must hold at least one expert, got shape {tuple(a.shape)}")
+    if max_m < 1:
+        raise ValueError(f"a.shape[1] (max_m) must be >= 1, got {max_m}")
+    if b_e != e_count:
+        raise ValueError(f"b.shape[0] must equal the expert count E={e_count} of a, got {b_e}")
+    if b_k != a.shape[2]:
+        raise ValueError(f"b.shape[2] must equal a.shape[2] = {a.shape[2]}{packed}, got {b_k}")
+    if k < fmt.k_align or k % fmt.k_align:
+        what = "2 * a.shape[2]" if fmt is Format.NVFP4 else "a.shape[2]"
+        raise ValueError(f"K ({what} = {k}) must be a positive multiple of {fmt.k_align} for "
+                         f"{fmt.value} (whole scale blocks, 16-byte rows)")
+    if n < _OUT_ALIGN or n % _OUT_ALIGN:
+        raise ValueError(f"N (b.shape[1]) must be a positive multiple of {_OUT_ALIGN} "
+                         f"(16-byte bf16 output rows), got {n}")
+    if masked_m.shape[0] != e_count:
+        raise ValueError(f"masked_m must have E={e_count} entries, got {masked_m.shape[0]}")
+    if masked_m.stride(0) != 1 and e_count > 1:
+        raise ValueError(f"masked_m must be contiguous, got stride {masked_m.stride(0)}")
+    _check_scale("a_scale", a_scale, fmt, blocked_scale_shape(fmt, e_count, max_m, k), "max_m")
+    _check_scale("b_scale", b_scale, fmt, blocked_scale_shape(fmt, e_count, n, k), "N")
+    check_alpha(fmt, alpha, e_count)
+    if out is not None:
+        _check_tensor("out", out, 3, (torch.bfloat16,))
+        if tuple(out.shape) != (e_count, max_m, n):
+            raise ValueError(f"out must have shape (E, max_m, N) = {(e_count, max_m, n)}, got {tuple(out.shape)}")
+    span_a = _check_tma_operand("a", a, "K")
+    span_b = _check_tma_operand("b", b, "K")
+    if out is not None:
+        span_out = _check_tma_operand("out", out, "N", is_input=False)
+        _check_no_self_overlap("out", out)
+        check_no_alias("out", span_out, {"a": span_a, "b": span_b, "masked_m": masked_m, "a_scale": a_scale,
+                                         "b_scale": b_scale, "alpha": alpha})
+    return e_count, max_m, n, k
+
+
+def format_of(fmt=None, fp8: bool = False) -> Format:
+    """``signal_layout``'s format argument: a Format, its value ("mxfp8", ...),
+    or None with ``fp8`` (the older flag) choosing FP8_BLOCK128 or BF16."""
+    if fmt is None:
+        return Format.FP8_BLOCK128 if fp8 else Format.BF16
+    if isinstance(fmt, str):
+        try:
+            fmt = Format(fmt)
+        except ValueError:
+            raise ValueError(f"fmt must be one of {[f.value for f in Format]}, got {fmt!r}") from None
+    if not isinstance(fmt, Format):
+        raise TypeError(f"fmt must be a flashgemm.Format or its name, got {type(fmt).__name__}")
+    if fp8 and fmt is not Format.FP8_BLOCK128:
+        raise ValueError(f"fp8=True contradicts fmt={fmt.value!r}; pass fmt alone")
+    return fmt

@@ -1,0 +1,61 @@
+"""Operand formats of the masked grouped GEMM, and which arch package runs each.
+
+A format fixes the element type of ``a`` and ``b``, how their scale factors
+are shaped and typed, and what the epilogue multiplies in:
+
+* ``BF16``: no scales.
+* ``FP8_BLOCK128``: DeepSeek's recipe. e4m3 elements, fp32 scales per 1x128
+  block of ``a`` and per 128x128 block of ``b`` (the Hopper call).
+* ``MXFP8``: e4m3 elements, one E8M0 scale per 32 of K on both operands.
+* ``NVFP4``: e2m1 packed two per byte along K, one e4m3 scale per 16 of K,
+  and a per-expert fp32 ``alpha`` (``blockscale.nvfp4_alpha``).
+
+MXFP8 and NVFP4 scales use the 128x4-atom layout of ``blockscale``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+
+class Format(enum.Enum):
+    BF16 = "bf16"
+    FP8_BLOCK128 = "fp8_block128"
+    MXFP8 = "mxfp8"
+    NVFP4 = "nvfp4"
+
+    @property
+    def sf_vec_size(self) -> Optional[int]:
+        """Elements of K that share one scale factor (None without scales)."""
+        return {Format.BF16: None, Format.FP8_BLOCK128: 128, Format.MXFP8: 32, Format.NVFP4: 16}[self]
+
+    @property
+    def element_bits(self) -> int:
+        return {Format.BF16: 16, Format.FP8_BLOCK128: 8, Format.MXFP8: 8, Format.NVFP4: 4}[self]
+
+    @property
+    def block_scaled(self) -> bool:
+        """Scales applied by the tensor core (Blackwell ``kind::mx*.block_scale``)."""
+        return self in (Format.MXFP8, Format.NVFP4)
+
+    @property
+    def k_align(self) -> int:
+        """K must be a multiple of this (a whole scale block, and 16-byte TMA rows)."""
+        return {Format.BF16: 8, Format.FP8_BLOCK128: 128, Format.MXFP8: 32, Format.NVFP4: 32}[self]
+
+
+# arch package -> the formats its kernels take
+ARCH_FORMATS = {
+    "sm90": (Format.BF16, Format.FP8_BLOCK128),
+    "sm100": (Format.BF16, Format.FP8_BLOCK128, Format.MXFP8, Format.NVFP4),
+}
+
+
+def check_format_on(fmt: Format, backend: str) -> None:
+    """Refuse a format the arch package has no kernel for, naming both."""
+    supported = ARCH_FORMATS.get(backend, ())
+    if fmt not in supported:
+        names = ", ".join(f.value for f in supported) or "none"
+        raise ValueError(f"format {fmt.value!r} needs a Blackwell GPU (sm_100/sm_103); "
+                         f"this GPU's kernels ({backend}) take: {names}")

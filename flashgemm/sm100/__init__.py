@@ -1,0 +1,1 @@
+"""Blackwell (sm_100a / sm_103a) kernels."""

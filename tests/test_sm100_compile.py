@@ -1,0 +1,190 @@
+"""Compile-only tests of the sm_100 kernel family (no Blackwell GPU needed;
+runs in CI). One process targets one arch, and this one targets sm_90a, so
+``python -m flashgemm compile --arch sm_100a`` (and ``sm_103a``) runs in a
+child process per arch, once per module; its build is wrapped to keep each
+kernel's PTX, and the tests read the listing and the PTX."""
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from flashgemm.formats import Format
+from flashgemm.kernels_cli import SM100_MMA_FEATURE, ptx_features, sm100_ok
+from flashgemm.sm100.config import CtaGroup
+from flashgemm.sm100.heuristic import reachable_specs
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARCHS = ("sm_100a", "sm_103a")
+SPECS = reachable_specs()
+
+_CHILD = r"""
+import os, sys
+from flashgemm.sm100 import build as sm100_build
+
+ptx_dir, arch = sys.argv[1], sys.argv[2]
+real_build = sm100_build.build
+
+def build(spec, arch=None, keep_ptx=False):
+    fn = real_build(spec, arch, keep_ptx=keep_ptx)
+    if keep_ptx:
+        with open(os.path.join(ptx_dir, spec.name() + ".ptx"), "w") as f:
+            f.write(fn.__ptx__ or "")
+    return fn
+
+sm100_build.build = build
+from flashgemm.__main__ import main
+
+rc = main(["compile", "--arch", arch])
+sys.stdout.flush()
+# precompile one spec into a disk cache, then get_kernel loads it from there
+from flashgemm.jit import cache
+from flashgemm.sm100.heuristic import reachable_specs
+
+spec = reachable_specs()[0]
+cache_dir = os.path.join(ptx_dir, "cache")
+os.environ["FLASHGEMM_CACHE_DIR"] = cache_dir
+count = sm100_build.precompile([spec], arch=arch, cache_dir=cache_dir)
+builds = cache.compile_count
+cache._cache.clear()  # forget the in-process copy: the next one comes from disk
+fn = sm100_build.get_kernel(spec, arch)
+print(f"PRECOMPILED {count} {sorted(os.listdir(cache_dir)) != []} {cache.compile_count - builds} {callable(fn)}")
+sys.exit(rc)
+"""
+
+
+class _Run:
+    """One child ``compile --arch ARCH``, started at once (the two arches
+    compile side by side)."""
+
+    def __init__(self, arch):
+        self.dir = tempfile.mkdtemp(prefix=f"flashgemm-{arch}-")
+        self.out = open(os.path.join(self.dir, "stdout"), "w+")
+        env = dict(os.environ, CUTE_DSL_ARCH=arch)
+        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD, self.dir, arch], cwd=REPO, env=env,
+                                     stdout=self.out, stderr=subprocess.STDOUT, text=True)
+        self.done = None
+
+    def result(self):
+        if self.done is None:
+            rc = self.proc.wait(timeout=3600)
+            self.out.seek(0)
+            self.done = (rc, self.out.read())
+        return self.done
+
+    def ptx(self, spec):
+        with open(os.path.join(self.dir, spec.name() + ".ptx")) as f:
+            return f.read()
+
+
+@pytest.fixture(scope="module")
+def runs():
+    started = {arch: _Run(arch) for arch in ARCHS}
+    yield started
+    for run in started.values():
+        if run.proc.poll() is None:
+            run.proc.kill()
+        run.out.close()
+
+
+def _listing(run):
+    """{kernel name: [features]} from the listing's lines."""
+    rc, out = run.result()
+    found = {}
+    for line in out.splitlines():
+        m = re.match(r"\s+\[\s*\d+/\s*\d+\]\s+(\S+)\s+[\d.]+ s\s+PTX: (.*)$", line)
+        if m:
+            found[m.group(1)] = [f.strip() for f in m.group(2).split("  MISSING")[0].split(",")]
+    return rc, out, found
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_listing_builds_every_reachable_spec(runs, arch):
+    rc, out, found = _listing(runs[arch])
+    assert rc == 0, out[-3000:]
+    # the GEMMs of every format, the DeepSeek fp8 recipe's and the MoE activations
+    from flashgemm.kernels_cli import blockwise_ok
+    from flashgemm.sm100.blockwise_build import blockwise_specs
+
+    extra = {s.name(): s for s in blockwise_specs()}
+    want = [s.name() for s in SPECS] + list(extra) + ["moe-silu_mul-fp8", "moe-silu_mul-bf16"]
+    assert sorted(found) == sorted(want), out[-3000:]
+    assert f"compiling the {len(want)} kernels flashgemm can launch on {arch}: {len(SPECS)} GEMMs" in out
+    for name, spec in extra.items():
+        assert blockwise_ok(spec, found[name]), (name, found[name])
+        assert ("signal-publish" in found[name]) == (spec.signal_mode is not None)
+    assert "fp8-cvt" in found["moe-silu_mul-fp8"] and "fp8-cvt" not in found["moe-silu_mul-bf16"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_precompile_then_get_kernel_loads_from_disk(runs, arch):
+    rc, out = runs[arch].result()
+    # one kernel stored, files in the cache, no new build for get_kernel, a callable
+    assert "PRECOMPILED 1 True 0 True" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name())
+def test_ptx_of_each_spec(runs, arch, spec):
+    rc, out, found = _listing(runs[arch])
+    assert spec.name() in found, out[-3000:]
+    ptx = runs[arch].ptx(spec)
+    feats = set(ptx_features(ptx))
+    assert feats == set(found[spec.name()])  # the listing reads the same PTX
+    cfg = spec.config
+    assert re.search(rf"^\.target\s+{arch}\b", ptx, re.M)
+    # the format's MMA kind, and no other
+    kinds = {f for f in feats if f.startswith("tcgen05-mma-")}
+    assert kinds == {SM100_MMA_FEATURE[cfg.fmt.value]}
+    # a CTA pair's tcgen05 instructions (mma, cp, alloc) all use cta_group::2, a single CTA's ::1
+    group = cfg.cluster_size
+    assert ("cta_group::2" in feats) == (group == 2)
+    mmas = re.findall(r"tcgen05\.mma\.cta_group::(\d)", ptx)
+    assert mmas and set(mmas) == {str(group)}
+    assert set(re.findall(r"tcgen05\.alloc\.cta_group::(\d)", ptx)) == {str(group)}
+    # scale factors reach TMEM by tcgen05.cp, loaded by 4d TMA (the 128x4 atoms)
+    assert ("tcgen05.cp" in feats) == cfg.fmt.block_scaled
+    assert bool(re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::\w+\.global", ptx)) == cfg.fmt.block_scaled
+    if cfg.fmt is Format.MXFP8:
+        assert ".block_scale.block32" in ptx
+    if cfg.fmt is Format.NVFP4:
+        assert ".block_scale.block16" in ptx
+    # full tiles leave by TMA store; partial tiles by guarded row stores
+    assert {"tma-load", "tma-store", "tcgen05.alloc", "tcgen05.ld"} <= feats
+    assert re.search(r"st\.global\.v4\.b32", ptx)
+    # every TMEM load is waited for (tcgen05.wait::ld) before its registers are used
+    assert len(re.findall(r"tcgen05\.wait::ld", ptx)) > len(re.findall(r"tcgen05\.ld\.", ptx)) > 0
+    # alpha: NVFP4 scales the accumulator in fp32, the other formats never multiply
+    assert bool(re.search(r"\bmul(\.rn)?\.f32", ptx)) == cfg.has_alpha
+    # signals: the publish sequence exactly when signalled, never after the .read wait alone
+    signalled = spec.signal_mode is not None
+    assert ("signal-publish" in feats) == signalled
+    assert bool(re.search(r"red\.release\.gpu\.global\.add\.s32", ptx)) == signalled
+    assert not re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;\s*fence\.proxy\.async\.global", ptx)
+    assert sm100_ok(spec, sorted(feats))
+    assert ".local" not in ptx  # no register spills
+    # programmatic dependent launch: wait before global accesses, trigger after the loads
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+
+
+def test_sm100_ok_requires_the_right_features():
+    spec = next(s for s in SPECS if s.config.cta_group is CtaGroup.TWO and s.signal_mode)
+    good = ["tma-load", "tma-store", "tcgen05-mma-mxf8f6f4", "tcgen05-mma-mxf4nvf4", "tcgen05-mma-f16",
+            "tcgen05.alloc", "tcgen05.cp", "tcgen05.ld", "cta_group::2", "signal-publish"]
+    assert sm100_ok(spec, good)
+    for missing in ("tma-store", "cta_group::2", "signal-publish", SM100_MMA_FEATURE[spec.config.fmt.value]):
+        assert not sm100_ok(spec, [f for f in good if f != missing]), missing
+    one = next(s for s in SPECS if s.config.cta_group is CtaGroup.ONE and not s.signal_mode)
+    assert not sm100_ok(one, good)  # cta_group::2 in a 1-CTA kernel
+
+
+def test_feature_regexes_on_snippets():
+    assert ptx_features("tcgen05.mma.cta_group::2.kind::mxf4nvf4.block_scale.block16 [%r1]") == [
+        "tcgen05-mma-mxf4nvf4", "cta_group::2"]
+    assert ptx_features("tcgen05.mma.cta_group::1.kind::f16 [%r1]") == ["tcgen05-mma-f16"]
+    assert ptx_features("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier") == ["tma-load"]
+    # the Hopper load still reads as a TMA load
+    assert ptx_features("cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier") == ["tma-load"]
