@@ -1,0 +1,198 @@
+"""Host side of the signalled expert-parallel combine (form b): argument
+checks, the compile (cached like the GEMMs) and the launch.
+
+``combine_to_owners(y, masked_m, dst_signals, layout, routing, buffers,
+num_sms=...)`` launches ``combine_kernel.EpCombineSm90`` on the current
+stream: every valid row of ``y`` goes, times its weight, into its owner
+rank's token buffer as soon as the down GEMM has signalled its m-block; the
+launch returns once every peer has reported completion, so after it
+``buffers.tokens[:T]`` holds this rank's complete sums. Launch it on a side
+stream while the GEMM runs, within the SMs the GEMM leaves free
+(``flashgemm.overlap``'s co-residency rule), or after the GEMM.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..jit import cache
+from ..jit.arch import default_arch, device_facts, ensure_arch_env
+from ..jit.key import cache_key
+from ..jit.options import compile_options
+from ..signals import SignalLayout, check_rows_per_item
+from .buffers import FLAG_WORDS, STATE_WORDS, SUM_DTYPES, TokenBuffers
+from .plan import CombineRouting
+
+DEFAULT_MAX_POLLS = 20_000_000  # with <= 256 ns back-off: seconds, not a hang
+# one row per item: a warp is a team here, and a decode layer's ~1000 rows per
+# rank then spread over all the combine's warps (not measured against 2 or 4 yet)
+DEFAULT_EP_ROWS_PER_ITEM = 1
+ERROR_BITS = {
+    1: "a wait on the down GEMM's completion signal timed out (co-residency rule broken, or the GEMM failed)",
+    2: "a routing entry named a rank or token out of range (that row was skipped)",
+    4: "a peer did not report completion in time (a rank failed or fell behind)",
+    8: "a peer reported an error of its own",
+}
+
+
+def describe_error(word: int, rank: Optional[int] = None) -> str:
+    """The error word in words (empty for 0)."""
+    parts = [text for bit, text in ERROR_BITS.items() if word & bit]
+    where = f"rank {rank}: " if rank is not None else ""
+    return f"{where}EP combine error word {word:#x}: " + "; ".join(parts) if parts else ""
+
+
+def check_error(err: torch.Tensor, rank: Optional[int] = None) -> None:
+    """Read the error word (a host sync) and raise RuntimeError if it is set.
+    Every rank raises: a rank's error reaches its peers as bit 8, a rank that
+    never arrives as bit 4. After an error the buffers' flags no longer match
+    across ranks (and a posted error stays): make new buffers."""
+    word = int(err.item())
+    if word:
+        raise RuntimeError(describe_error(word, rank))
+
+
+def build_ep_combine(block_m: int, rows_per_item: int, bf16_sums: bool, arch: Optional[str] = None,
+                     keep_ptx: bool = False):
+    """Compile ``EpCombineSm90`` for dynamic shapes, no caching."""
+    ensure_arch_env(arch)
+    import cutlass
+    import cutlass.cute as cute
+
+    from .combine_kernel import EpCombineSm90
+
+    e, m = cute.sym_int(), cute.sym_int()
+    n = cute.sym_int(divisibility=8)  # rows of y and of the token buffers are 16-byte aligned
+    w = cute.sym_int()
+    fake = cute.runtime.make_fake_compact_tensor
+
+    def row_major(dt, shape, align=4):
+        return fake(dt, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align)
+
+    with compile_options(keep_ptx) as options:
+        fn = cute.compile(
+            EpCombineSm90(block_m, rows_per_item, bf16_sums),
+            row_major(cutlass.BFloat16, (e, m, n), 16),
+            fake(cutlass.Int32, (e,), assumed_align=4),
+            fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4),
+            row_major(cutlass.Int32, (e, m)),
+            row_major(cutlass.Int32, (e, m)),
+            row_major(cutlass.Float32, (e, m)),
+            fake(cutlass.Int64, (w,), assumed_align=8),
+            fake(cutlass.Int64, (w,), assumed_align=8),
+            fake(cutlass.Int32, (FLAG_WORDS,), assumed_align=16),
+            fake(cutlass.Int32, (STATE_WORDS,), assumed_align=4),
+            fake(cutlass.Int32, (1,), assumed_align=4),
+            cutlass.Int32(1),
+            cutlass.Int32(0),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=options,
+        )
+    cache.count_compile()
+    return fn
+
+
+def get_ep_combine(block_m: int, rows_per_item: int, bf16_sums: bool, arch: Optional[str] = None):
+    arch = arch or default_arch()
+    return cache.cached(cache_key(arch, "ep_combine", block_m, rows_per_item, bf16_sums),
+                        lambda: build_ep_combine(block_m, rows_per_item, bf16_sums, arch))
+
+
+def _check(name, t, dtype, shape, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but y is on {device}")
+
+
+def check_combine_args(y, masked_m, dst_signals, layout, routing, buffers, num_sms, max_polls,
+                       rows_per_item, err) -> None:
+    """Every check of ``combine_to_owners``, before anything is launched."""
+    if not isinstance(layout, SignalLayout) or layout.granularity != "m_block":
+        raise ValueError("layout must be the 'm_block' SignalLayout of the down GEMM call")
+    check_rows_per_item(rows_per_item, layout.block_m)
+    if not isinstance(max_polls, int) or isinstance(max_polls, bool) or not 1 <= max_polls < 2**31:
+        raise ValueError(f"max_polls must be an int in [1, 2**31), got {max_polls!r}")
+    if not isinstance(y, torch.Tensor) or y.dim() != 3 or y.dtype != torch.bfloat16:
+        raise ValueError(f"y must be the [E, max_m, H] bfloat16 down GEMM output, got "
+                         f"{getattr(y, 'dtype', type(y).__name__)} {tuple(getattr(y, 'shape', ()))}")
+    if not y.is_contiguous():
+        raise ValueError("y must be contiguous")
+    if y.device.type != "cuda":
+        raise ValueError(f"y must be on a CUDA device, got {y.device}")
+    e_count, max_m, hidden = y.shape
+    if hidden % 8:
+        raise ValueError(f"y's H must be a multiple of 8 (16-byte rows), got {hidden}")
+    if -(-max_m // layout.block_m) != layout.num_m_blocks:
+        raise ValueError(f"layout was made for {layout.num_m_blocks} m-blocks of {layout.block_m} rows, "
+                         f"y has max_m={max_m}")
+    dev = y.device
+    _check("masked_m", masked_m, torch.int32, (e_count,), dev)
+    if not isinstance(dst_signals, torch.Tensor) or dst_signals.dtype != torch.int32 \
+            or dst_signals.numel() < layout.size:
+        raise ValueError(f"dst_signals must be an int32 tensor with at least {layout.size} entries")
+    _check("dst_signals", dst_signals, torch.int32, tuple(dst_signals.shape), dev)
+    if not isinstance(routing, CombineRouting):
+        raise TypeError(f"routing must be a flashgemm.ep.plan.CombineRouting, got {type(routing).__name__}")
+    _check("routing.src_rank", routing.src_rank, torch.int32, (e_count, max_m), dev)
+    _check("routing.src_token", routing.src_token, torch.int32, (e_count, max_m), dev)
+    _check("routing.weight", routing.weight, torch.float32, (e_count, max_m), dev)
+    if not isinstance(buffers, TokenBuffers):
+        raise TypeError(f"buffers must be a flashgemm.ep.buffers.TokenBuffers, got {type(buffers).__name__}")
+    world = buffers.world_size
+    if buffers.tokens.dtype not in SUM_DTYPES or buffers.tokens.dim() != 2 or buffers.hidden != hidden:
+        raise ValueError(f"buffers.tokens must be [T, H={hidden}] float32 or bfloat16, got "
+                         f"{buffers.tokens.dtype} {tuple(buffers.tokens.shape)}")
+    if buffers.tokens.device != dev or buffers.tokens.data_ptr() % 16:
+        raise ValueError("buffers.tokens must be on y's device and 16-byte aligned")
+    _check("buffers.peer_tokens", buffers.peer_tokens, torch.int64, (world,), dev)
+    _check("buffers.peer_flags", buffers.peer_flags, torch.int64, (world,), dev)
+    _check("buffers.flags", buffers.flags, torch.int32, (FLAG_WORDS,), dev)
+    _check("buffers.state", buffers.state, torch.int32, (STATE_WORDS,), dev)
+    if not 0 <= buffers.rank < world:
+        raise ValueError(f"buffers.rank must lie in [0, {world}), got {buffers.rank}")
+    _check("err", err, torch.int32, (1,), dev)
+    sm_count = device_facts(dev.index)[1]
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 1 <= num_sms <= sm_count:
+        raise ValueError(f"num_sms must be an int in [1, {sm_count}], got {num_sms!r}")
+
+
+def combine_to_owners(
+    y: torch.Tensor,
+    masked_m: torch.Tensor,
+    dst_signals: torch.Tensor,
+    layout: SignalLayout,
+    routing: CombineRouting,
+    buffers: TokenBuffers,
+    *,
+    num_sms: int,
+    max_polls: int = DEFAULT_MAX_POLLS,
+    rows_per_item: Optional[int] = None,
+    err: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Launch the signalled combine on the current stream; returns the int32
+    error word (``check_error`` reads it after a sync). Every rank of the group
+    must launch it once per layer (its completion step counts launches).
+    ``buffers.tokens`` of every rank must have been zeroed before any peer's
+    combine starts (``layer`` orders that through the dispatch)."""
+    rows_per_item = DEFAULT_EP_ROWS_PER_ITEM if rows_per_item is None else rows_per_item
+    if err is None and isinstance(y, torch.Tensor):
+        err = torch.zeros(1, dtype=torch.int32, device=y.device)
+    check_combine_args(y, masked_m, dst_signals, layout, routing, buffers, num_sms, max_polls,
+                       rows_per_item, err)
+    fn = get_ep_combine(layout.block_m, rows_per_item, buffers.tokens.dtype == torch.bfloat16)
+    fn(y, masked_m, dst_signals, routing.src_rank, routing.src_token, routing.weight, buffers.peer_tokens,
+       buffers.peer_flags, buffers.flags, buffers.state, err, buffers.max_tokens, buffers.rank,
+       layout.n_tiles, max_polls, num_sms)
+    return err

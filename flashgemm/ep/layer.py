@@ -1,0 +1,166 @@
+"""One expert-parallel MoE layer: dispatch, the local experts, the combine.
+
+``EpMoELayer(experts, num_experts, buffers)(x, topk_ids, topk_weights)``:
+
+1. zero this rank's token buffer (peers reduce into it);
+2. ``dispatch`` (baseline: ``all_to_all_single``) into the masked layout;
+3. gate_up GEMM and SwiGLU (+ 1x128 fp8 quantization for an fp8 layer) on
+   every SM, as ``flashgemm.moe.MaskedExperts`` does;
+4. the down GEMM with completion signals and the signalled combine
+   (``combine.combine_to_owners``), in one of the forms of ``CombineForm``;
+   the combine ends with every peer's completion, so on return
+   ``buffers.tokens[:T]`` holds this rank's outputs (float32 or bf16 sums).
+
+The dispatch reads its split sizes on the host, so a whole layer is not
+CUDA-graph capturable; steps 3 and 4 are (no host sync).
+
+Ordering of the zeroing: a peer's combine starts after its dispatch, which
+needs this rank's sends, which follow this rank's zeroing on its stream; so
+no peer reduces into the buffer before it is zeroed.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import Optional
+
+import torch
+
+from ..api import grouped_gemm_nt_masked, signal_layout
+from ..jit.arch import device_facts
+from ..moe.activation import silu_mul
+from ..moe.layer import MaskedExperts
+from ..signals import alloc_signals
+from .buffers import TokenBuffers
+from .combine import DEFAULT_MAX_POLLS, combine_to_owners
+from .dispatch import Dispatched, dispatch
+
+FUSED_NOT_IMPLEMENTED = (
+    "CombineForm.FUSED (form a: the down GEMM's fused-combine epilogue writing each weighted row "
+    "straight into the owner rank's token buffer) needs a kernel change in flashgemm/sm90/epilogue.py "
+    "(a Combine target with a peer pointer table and system-scope reductions) that is not made yet; "
+    "use CombineForm.SIGNALLED or CombineForm.SEQUENTIAL"
+)
+DEFAULT_COMBINE_SMS = 20  # the reference combine's share in docs/signals.md's measurements
+
+
+class CombineForm(enum.Enum):
+    SIGNALLED = "signalled"  # form b: combine on a side stream, polling the GEMM's signals
+    SEQUENTIAL = "sequential"  # the baseline: the whole down GEMM, then the combine
+    FUSED = "fused"  # form a: the GEMM's epilogue writes into the peers (not built)
+
+
+def check_form(form) -> CombineForm:
+    if not isinstance(form, CombineForm):
+        raise TypeError(f"form must be a CombineForm, got {type(form).__name__}")
+    if form is CombineForm.FUSED:
+        raise NotImplementedError(FUSED_NOT_IMPLEMENTED)
+    return form
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index)
+
+
+class EpMoELayer:
+    """The expert path of one rank of an EP MoE layer.
+
+    experts: this rank's ``MaskedExperts`` (E_local = num_experts / W of
+    them); buffers: this rank's ``TokenBuffers`` (``alloc_token_buffers``,
+    or ``local_token_buffers`` at world size 1 without a process group);
+    gemm_sms / combine_sms: the split of the SMs while the down GEMM and the
+    combine overlap (default: all but ``DEFAULT_COMBINE_SMS`` for the GEMM)."""
+
+    def __init__(self, experts: MaskedExperts, num_experts: int, buffers: TokenBuffers, *, group=None,
+                 gemm_sms: Optional[int] = None, combine_sms: Optional[int] = None,
+                 rows_per_item: Optional[int] = None, max_polls: int = DEFAULT_MAX_POLLS):
+        if not isinstance(experts, MaskedExperts):
+            raise TypeError(f"experts must be a flashgemm.moe.layer.MaskedExperts, got {type(experts).__name__}")
+        if not isinstance(buffers, TokenBuffers):
+            raise TypeError(f"buffers must be a TokenBuffers, got {type(buffers).__name__}")
+        if experts.num_experts * buffers.world_size != num_experts:
+            raise ValueError(f"experts holds {experts.num_experts} experts; with world size "
+                             f"{buffers.world_size} num_experts must be {experts.num_experts * buffers.world_size}, "
+                             f"got {num_experts}")
+        if buffers.hidden != experts.hidden:
+            raise ValueError(f"buffers.tokens has H={buffers.hidden}, the experts H={experts.hidden}")
+        device = buffers.tokens.device
+        sm_count = device_facts(device.index)[1]
+        combine_sms = DEFAULT_COMBINE_SMS if combine_sms is None else combine_sms
+        gemm_sms = sm_count - combine_sms if gemm_sms is None else gemm_sms
+        if not (1 <= gemm_sms < sm_count and 1 <= combine_sms <= sm_count - gemm_sms):
+            raise ValueError(f"need gemm_sms + combine_sms <= {sm_count} (co-residency: the combine polls, "
+                             f"the GEMM must keep its SMs), got {gemm_sms} + {combine_sms}")
+        self.experts, self.num_experts, self.buffers, self.group = experts, num_experts, buffers, group
+        self.gemm_sms, self.combine_sms, self.sm_count = gemm_sms, combine_sms, sm_count
+        self.rows_per_item, self.max_polls = rows_per_item, max_polls
+        self.device = device
+
+    # the parts, each on the current stream (the demo times them one by one)
+    def dispatch(self, x, topk_ids, topk_weights, *, x_scale=None, max_m=None) -> Dispatched:
+        self.buffers.tokens.zero_()
+        return dispatch(x, topk_ids, topk_weights, self.num_experts, x_scale=x_scale,
+                        max_tokens_per_rank=self.buffers.max_tokens, max_m=max_m, group=self.group)
+
+    def up(self, d: Dispatched, expected_m: Optional[int] = None):
+        """gate_up GEMM and SwiGLU on every SM: (h, h_scale)."""
+        ex = self.experts
+        gate_up = grouped_gemm_nt_masked(d.x, ex.w13, None, d.masked_m, a_scale=d.x_scale,
+                                         b_scale=ex.w13_scale, expected_m=expected_m)
+        if ex.fp8:
+            return silu_mul(gate_up, d.masked_m, fp8=True)
+        return silu_mul(gate_up, d.masked_m, fp8=False), None
+
+    def down_and_combine(self, d: Dispatched, h, h_scale, *, form: CombineForm = CombineForm.SIGNALLED,
+                         expected_m: Optional[int] = None, err: Optional[torch.Tensor] = None):
+        """The down GEMM and the combine in ``form``; returns (y, err)."""
+        check_form(form)
+        ex = self.experts
+        e_count, max_m, _ = h.shape
+        overlap = form is CombineForm.SIGNALLED
+        gemm_sms = self.gemm_sms if overlap else None
+        layout = signal_layout(e_count, max_m, ex.hidden, ex.intermediate, expected_m=expected_m,
+                               num_sms=gemm_sms, fp8=ex.fp8, device=self.device)
+        signals = alloc_signals(layout, self.device)
+        y = torch.empty(e_count, max_m, ex.hidden, dtype=torch.bfloat16, device=self.device)
+        err = torch.zeros(1, dtype=torch.int32, device=self.device) if err is None else err
+        combine = functools.partial(combine_to_owners, y, d.masked_m, signals, layout, d.routing, self.buffers,
+                                    max_polls=self.max_polls, rows_per_item=self.rows_per_item, err=err)
+        gemm = functools.partial(grouped_gemm_nt_masked, h, ex.w2, y, d.masked_m, a_scale=h_scale,
+                                 b_scale=ex.w2_scale, expected_m=expected_m, num_sms=gemm_sms,
+                                 dst_signals=signals)
+        if not overlap:
+            gemm()
+            combine(num_sms=self.sm_count)
+            return y, err
+        main = torch.cuda.current_stream(self.device)
+        side = _side_stream(self.device.index)
+        ready = main.record_event()
+        # the GEMM first, so its clusters are placed on an empty GPU
+        # (flashgemm.overlap.run_gemm_and_combine explains the measurement)
+        gemm()
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            combine(num_sms=self.combine_sms)
+        main.wait_stream(side)
+        for t in (y, signals, err, d.masked_m, d.routing.src_rank, d.routing.src_token, d.routing.weight):
+            t.record_stream(side)
+        return y, err
+
+    def __call__(self, x, topk_ids, topk_weights, *, x_scale=None, expected_m: Optional[int] = None,
+                 form: CombineForm = CombineForm.SIGNALLED):
+        """x: [T, H] this rank's tokens (bf16; an fp8 layer quantizes them
+        1x128 before the dispatch, or takes fp8 x with x_scale). Returns
+        (out, err): out = ``buffers.tokens[:T]`` (valid until the next call),
+        err the combine's error word (``combine.check_error``)."""
+        check_form(form)
+        if self.experts.fp8 and x.dtype == torch.bfloat16:
+            from ..quant import quantize_fp8_per_token
+
+            x, x_scale = quantize_fp8_per_token(x, m_major=False)
+        d = self.dispatch(x, topk_ids, topk_weights, x_scale=x_scale)
+        h, h_scale = self.up(d, expected_m)
+        _, err = self.down_and_combine(d, h, h_scale, form=form, expected_m=expected_m)
+        return self.buffers.tokens[: x.shape[0]], err

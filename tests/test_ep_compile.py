@@ -1,0 +1,119 @@
+"""The EP combine compiled for sm_90a without a GPU, its PTX checked; and the
+CPU-side rules of the EP buffers (multicast off)."""
+
+import re
+
+import pytest
+import torch
+
+from flashgemm.ep import buffers as ep_buffers
+from flashgemm.ep.combine import build_ep_combine, describe_error
+
+
+@pytest.fixture(scope="module", params=[(64, 1, False), (128, 4, True)], ids=["f32-sums", "bf16-sums"])
+def combine_ptx(request):
+    block_m, rows_per_item, bf16 = request.param
+    return bf16, build_ep_combine(block_m, rows_per_item, bf16, "sm_90a", keep_ptx=True).__ptx__
+
+
+def _lines(ptx, pattern):
+    lines = (line.strip() for line in ptx.splitlines())
+    return [line for line in lines if re.search(pattern, line)]
+
+
+def test_polls_the_gemm_signals_with_gpu_scope_acquire(combine_ptx):
+    _, ptx = combine_ptx
+    assert _lines(ptx, r"ld\.acquire\.gpu\.global\.b32")
+    assert _lines(ptx, r"nanosleep")  # backed-off, bounded poll
+
+
+def test_row_reductions_are_system_scope_vectors(combine_ptx):
+    bf16, ptx = combine_ptx
+    reds = _lines(ptx, r"^red\.")
+    rows = [r for r in reds if ".s32" not in r]
+    assert rows, reds
+    want = r"red\.relaxed\.sys\.global\.add\.noftz\.v4\.bf16x2" if bf16 else r"red\.relaxed\.sys\.global\.add\.v4\.f32"
+    assert all(re.match(want, r) for r in rows), rows
+    # no GPU-scope (peer-unsafe) or scalar row reductions
+    assert not [r for r in rows if ".gpu" in r]
+
+
+def test_completion_is_release_acquire_at_system_scope(combine_ptx):
+    _, ptx = combine_ptx
+    assert _lines(ptx, r"red\.release\.sys\.global\.add\.s32")  # count into each peer's flags
+    assert _lines(ptx, r"ld\.acquire\.sys\.global\.b32")  # wait for each peer's count
+    assert _lines(ptx, r"fence\.acq_rel\.sys")  # reductions performed before the count
+    assert _lines(ptx, r"atom\.global\.acq_rel\.add")  # the CTA-done counter
+    assert _lines(ptx, r"atom\.global\.sys\.or\.b32")  # a local error posted to the peers
+
+
+def test_no_multicast_anywhere(combine_ptx):
+    _, ptx = combine_ptx
+    assert "multimem" not in ptx
+    assert "cp.reduce.async.bulk" not in ptx  # peers get plain 16-byte reductions
+
+
+def test_multicast_off_env_sets_and_refuses():
+    env = {}
+    assert ep_buffers.multicast_off_env(env) == ep_buffers.MULTICAST_OFF
+    assert env == ep_buffers.MULTICAST_OFF
+    ep_buffers.check_multicast_off(env)
+    with pytest.raises(RuntimeError, match="TORCH_SYMM_MEM_DISABLE_MULTICAST='0'.*set TORCH_SYMM_MEM_DISABLE"):
+        ep_buffers.multicast_off_env({"TORCH_SYMM_MEM_DISABLE_MULTICAST": "0"})
+    with pytest.raises(RuntimeError, match="NCCL_NVLS_ENABLE=None"):
+        ep_buffers.check_multicast_off({"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+
+
+def test_alloc_checks_arguments_before_the_engine():
+    with pytest.raises(ValueError, match="hidden must be a multiple of 8"):
+        ep_buffers.alloc_token_buffers(4, 12)
+    with pytest.raises(TypeError, match="dtype must be torch.float32 or torch.bfloat16"):
+        ep_buffers.alloc_token_buffers(4, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
+        ep_buffers.alloc_token_buffers(0, 16)
+
+
+def test_peer_addresses_from_the_engine_handle():
+    from types import SimpleNamespace
+
+    handle = SimpleNamespace(buffer_ptrs=[1 << 20, 3 << 20], buffer_size=1 << 16, multicast_ptr=0)
+    assert ep_buffers.peer_addresses(handle, (3 << 20) + 512, 1, 2) == [(1 << 20) + 512, (3 << 20) + 512]
+    with pytest.raises(RuntimeError, match="refusing to run"):
+        ep_buffers.peer_addresses(SimpleNamespace(buffer_ptrs=[0], multicast_ptr=1 << 30), 0, 0, 1)
+    with pytest.raises(RuntimeError, match="gave 2 peer addresses for a group of 4"):
+        ep_buffers.peer_addresses(handle, 1 << 20, 0, 4)
+    with pytest.raises(RuntimeError, match="outside its allocation"):
+        ep_buffers.peer_addresses(handle, (1 << 20) + (1 << 16), 0, 2)
+
+
+def test_error_word_in_words():
+    assert describe_error(0) == ""
+    text = describe_error(4 | 1, rank=3)
+    assert text.startswith("rank 3: EP combine error word 0x5")
+    assert "peer did not report completion" in text and "timed out" in text
+
+
+def test_layer_refuses_the_fused_form():
+    from flashgemm.ep.layer import CombineForm, check_form
+
+    with pytest.raises(NotImplementedError, match="flashgemm/sm90/epilogue.py"):
+        check_form(CombineForm.FUSED)
+    check_form(CombineForm.SIGNALLED)
+    check_form(CombineForm.SEQUENTIAL)
+
+
+def test_the_combine_is_cached_like_the_gemms():
+    from flashgemm.ep.combine import DEFAULT_EP_ROWS_PER_ITEM, get_ep_combine
+    from flashgemm.jit import cache
+
+    first = get_ep_combine(64, DEFAULT_EP_ROWS_PER_ITEM, False, "sm_90a")
+    builds = cache.compile_count
+    assert get_ep_combine(64, DEFAULT_EP_ROWS_PER_ITEM, False, "sm_90a") is first
+    assert cache.compile_count == builds
+
+
+def test_combine_kernel_refuses_bad_rows_per_item():
+    from flashgemm.ep.combine_kernel import EpCombineSm90
+
+    with pytest.raises(ValueError, match="rows_per_item must be a power of two dividing block_m=64"):
+        EpCombineSm90(64, 3, False)
