@@ -9,7 +9,7 @@ the ones listed in the case file for the same H100 model. DeepGEMM's masked
 kernels have two kinds of bars: timed in the run (when bench.py could import
 ``deep_gemm``) and, for fp8, the times listed in the case file.
 
-    python benchmarks/plot_bench.py bench.json --out docs/roofline.png
+    python benchmarks/plot_bench.py bench.json --out roofline.png
 """
 
 from __future__ import annotations
