@@ -27,7 +27,9 @@ from __future__ import annotations
 import torch
 
 from .formats import Format
-from .validation import _check_no_self_overlap, _check_tensor, _check_tma_operand, check_no_alias
+from .validation import (
+    _check_no_self_overlap, _check_tensor, _check_tma_operand, check_expert_dims, check_masked_m, check_no_alias,
+)
 
 _FP8 = torch.float8_e4m3fn
 _E8M0 = torch.float8_e8m0fnu
@@ -121,15 +123,9 @@ def validate_blockscaled_args(
     _check_tensor("b", b, 3, ab)
     _check_tensor("masked_m", masked_m, 1, (torch.int32,))
     e_count, max_m, _ = a.shape
-    b_e, n, b_k = b.shape
     k = logical_k(fmt, a)
     packed = " (2 e2m1 per byte)" if fmt is Format.NVFP4 else ""
-    if e_count < 1:
-        raise ValueError(f"a must hold at least one expert, got shape {tuple(a.shape)}")
-    if max_m < 1:
-        raise ValueError(f"a.shape[1] (max_m) must be >= 1, got {max_m}")
-    if b_e != e_count:
-        raise ValueError(f"b.shape[0] must equal the expert count E={e_count} of a, got {b_e}")
+    n, b_k = check_expert_dims(a, b)
     if b_k != a.shape[2]:
         raise ValueError(f"b.shape[2] must equal a.shape[2] = {a.shape[2]}{packed}, got {b_k}")
     if k < fmt.k_align or k % fmt.k_align:
@@ -139,10 +135,7 @@ def validate_blockscaled_args(
     if n < _OUT_ALIGN or n % _OUT_ALIGN:
         raise ValueError(f"N (b.shape[1]) must be a positive multiple of {_OUT_ALIGN} "
                          f"(16-byte bf16 output rows), got {n}")
-    if masked_m.shape[0] != e_count:
-        raise ValueError(f"masked_m must have E={e_count} entries, got {masked_m.shape[0]}")
-    if masked_m.stride(0) != 1 and e_count > 1:
-        raise ValueError(f"masked_m must be contiguous, got stride {masked_m.stride(0)}")
+    check_masked_m(masked_m, e_count)
     _check_scale("a_scale", a_scale, fmt, blocked_scale_shape(fmt, e_count, max_m, k), "max_m")
     _check_scale("b_scale", b_scale, fmt, blocked_scale_shape(fmt, e_count, n, k), "N")
     check_alpha(fmt, alpha, e_count)

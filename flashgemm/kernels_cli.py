@@ -70,52 +70,74 @@ def cmd_compile(args) -> int:
     arch = ensure_arch_env(args.arch)
     if arch.startswith("sm_10"):
         return _compile_sm100(args, arch)
-    from .config import Epilogue
-    from .jit import cache
     from .jit.key import cache_key
-    from .moe.activation import activation_key, build as build_activation
     from .signals import DEFAULT_ROWS_PER_ITEM
     from .sm90.build import build, build_combine, combine_block_ms, combine_key
     from .sm90.heuristic import reachable_specs
 
-    cache_dir = getattr(args, "cache_dir", None)
     specs = [s for s in reachable_specs() if not args.match or args.match in s.name()]
     block_ms = [] if args.match else combine_block_ms(reachable_specs())
-    activations = [True, False] if not args.match or getattr(args, "moe", False) else []
-    jobs = [(s.name(), cache_key(arch, s), lambda s=s: build(s, arch, keep_ptx=True), s) for s in specs]
+    jobs = [(s.name(), cache_key(arch, s), lambda s=s: build(s, arch, keep_ptx=True),
+             lambda feats, s=s: sm90_ok(s, feats)) for s in specs]
     jobs += [(f"combine-block_m{m}-rows{DEFAULT_ROWS_PER_ITEM}", combine_key(arch, m, DEFAULT_ROWS_PER_ITEM),
-              lambda m=m: build_combine(m, arch, keep_ptx=True, rows_per_item=DEFAULT_ROWS_PER_ITEM), "combine")
+              lambda m=m: build_combine(m, arch, keep_ptx=True, rows_per_item=DEFAULT_ROWS_PER_ITEM),
+              lambda feats: "bulk-reduce" in feats and "acquire-poll" in feats)
              for m in block_ms]
-    jobs += [(f"moe-silu_mul-{'fp8' if fp8 else 'bf16'}", activation_key(arch, fp8),
-              lambda fp8=fp8: build_activation(fp8, arch, keep_ptx=True), fp8) for fp8 in activations]
-    print(f"compiling the {len(jobs)} kernels flashgemm can launch on {arch}: {len(specs)} GEMMs "
-          f"(every configuration the heuristic picks x signal mode or fused combine), "
-          f"{len(activations)} MoE activations and {len(block_ms)} reference combines (no GPU needed)"
+    activations = _activation_jobs(args, arch)
+    jobs += activations
+    return _run_jobs(jobs, arch, getattr(args, "cache_dir", None),
+                     f"{len(specs)} GEMMs (every configuration the heuristic picks x signal mode or fused "
+                     f"combine), {len(activations)} MoE activations and {len(block_ms)} reference combines")
+
+
+def sm90_ok(spec, feats) -> bool:
+    """What an sm_90 GEMM's PTX must show: wgmma and TMA loads, the signal
+    sequence when signalled, and the fused combine's reductions (of the
+    output's dtype) instead of bulk stores."""
+    from .config import Epilogue
+
+    ok = "wgmma" in feats and "tma-load" in feats
+    if spec.signal_mode is not None:
+        ok &= "signal-publish" in feats
+    if spec.epilogue.combines:
+        reduce = "combine-reduce-bf16" if spec.epilogue is Epilogue.COMBINE_BF16 else "combine-reduce"
+        ok &= reduce in feats and "tma-store" not in feats
+    return ok
+
+
+def _activation_jobs(args, arch: str) -> list:
+    """The MoE activation kernels (arch-neutral), unless ``--match`` narrows
+    the listing without ``--moe``."""
+    from .moe.activation import activation_key, build as build_activation
+
+    fp8s = [True, False] if not args.match or getattr(args, "moe", False) else []
+    return [(f"moe-silu_mul-{'fp8' if fp8 else 'bf16'}", activation_key(arch, fp8),
+             lambda fp8=fp8: build_activation(fp8, arch, keep_ptx=True),
+             lambda feats, fp8=fp8: ("fp8-cvt" in feats) == fp8) for fp8 in fp8s]
+
+
+def _run_jobs(jobs, arch: str, cache_dir, what: str) -> int:
+    """Build (or store) each (name, cache key, build, PTX check) job and list
+    it with its PTX features; 1 if a check failed, else 0."""
+    from .jit import cache
+
+    print(f"compiling the {len(jobs)} kernels flashgemm can launch on {arch}: {what} (no GPU needed)"
           + (f", into {cache_dir}" if cache_dir else ""), flush=True)
     ok = True
     t_all = time.perf_counter()
-    for i, (name, key, make, what) in enumerate(jobs):
+    for i, (name, key, make, check) in enumerate(jobs):
         t0 = time.perf_counter()
         fn = cache.store(key, make, cache_dir) if cache_dir else make()
         ptx = getattr(fn, "__ptx__", None)
+        head = f"  [{i + 1:3d}/{len(jobs)}] {name:58s} {time.perf_counter() - t0:5.1f} s"
         if ptx is None:  # loaded from the cache directory: no PTX to read
-            print(f"  [{i + 1:3d}/{len(jobs)}] {name:58s} {time.perf_counter() - t0:5.1f} s  (in the cache)",
-                  flush=True)
+            print(f"{head}  (in the cache)", flush=True)
             continue
         feats = ptx_features(ptx)
-        if what == "combine":
-            ok &= "bulk-reduce" in feats and "acquire-poll" in feats
-        elif isinstance(what, bool):
-            ok &= ("fp8-cvt" in feats) == what
-        else:
-            ok &= "wgmma" in feats and "tma-load" in feats
-            if what.signal_mode is not None:
-                ok &= "signal-publish" in feats
-            if what.epilogue.combines:
-                reduce = "combine-reduce-bf16" if what.epilogue is Epilogue.COMBINE_BF16 else "combine-reduce"
-                ok &= reduce in feats and "tma-store" not in feats
-        print(f"  [{i + 1:3d}/{len(jobs)}] {name:58s} {time.perf_counter() - t0:5.1f} s  "
-              f"PTX: {', '.join(feats) or '-'}", flush=True)
+        good = check(feats)
+        ok &= good
+        print(f"{head}  PTX: {', '.join(feats) or '-'}" + ("" if good else "  MISSING A REQUIRED FEATURE"),
+              flush=True)
     secs = time.perf_counter() - t_all
     print(f"done in {secs:.0f} s", flush=True)
     if cache_dir:
@@ -150,42 +172,19 @@ def _compile_sm100(args, arch: str) -> int:
     """``compile`` for sm_100a / sm_103a: every GEMM the sm100 heuristics can
     pick (block-scaled and bf16, and the DeepSeek fp8 recipe) and the MoE
     activation kernels (the Hopper-only combines are not built)."""
-    from .jit import cache
     from .jit.key import cache_key
-    from .moe.activation import activation_key, build as build_activation
     from .sm100.blockwise_build import blockwise_specs, build_blockwise
     from .sm100.build import build
     from .sm100.heuristic import reachable_specs
 
-    cache_dir = getattr(args, "cache_dir", None)
     specs = [s for s in reachable_specs() if not args.match or args.match in s.name()]
     jobs = [(s.name(), cache_key(arch, s), lambda s=s: build(s, arch, keep_ptx=True),
              lambda feats, s=s: sm100_ok(s, feats)) for s in specs]
     blockwise = [s for s in blockwise_specs() if not args.match or args.match in s.name()]
     jobs += [(s.name(), cache_key(arch, "sm100-blockwise", s), lambda s=s: build_blockwise(s, arch, keep_ptx=True),
               lambda feats, s=s: blockwise_ok(s, feats)) for s in blockwise]
-    activations = [True, False] if not args.match or getattr(args, "moe", False) else []
-    jobs += [(f"moe-silu_mul-{'fp8' if fp8 else 'bf16'}", activation_key(arch, fp8),
-              lambda fp8=fp8: build_activation(fp8, arch, keep_ptx=True),
-              lambda feats, fp8=fp8: ("fp8-cvt" in feats) == fp8) for fp8 in activations]
-    print(f"compiling the {len(jobs)} kernels flashgemm can launch on {arch}: {len(specs)} GEMMs (every "
-          f"configuration the heuristic picks x signal mode), {len(blockwise)} DeepSeek fp8 GEMMs and "
-          f"{len(activations)} MoE activations (no GPU needed)" + (f", into {cache_dir}" if cache_dir else ""),
-          flush=True)
-    ok = True
-    t_all = time.perf_counter()
-    for i, (name, key, make, check) in enumerate(jobs):
-        t0 = time.perf_counter()
-        fn = cache.store(key, make, cache_dir) if cache_dir else make()
-        ptx = getattr(fn, "__ptx__", None)
-        head = f"  [{i + 1:3d}/{len(jobs)}] {name:58s} {time.perf_counter() - t0:5.1f} s"
-        if ptx is None:  # loaded from the cache directory: no PTX to read
-            print(f"{head}  (in the cache)", flush=True)
-            continue
-        feats = ptx_features(ptx)
-        good = check(feats)
-        ok &= good
-        print(f"{head}  PTX: {', '.join(feats) or '-'}" + ("" if good else "  MISSING A REQUIRED FEATURE"),
-              flush=True)
-    print(f"done in {time.perf_counter() - t_all:.0f} s", flush=True)
-    return 0 if ok else 1
+    activations = _activation_jobs(args, arch)
+    jobs += activations
+    return _run_jobs(jobs, arch, getattr(args, "cache_dir", None),
+                     f"{len(specs)} GEMMs (every configuration the heuristic picks x signal mode), "
+                     f"{len(blockwise)} DeepSeek fp8 GEMMs and {len(activations)} MoE activations")

@@ -161,6 +161,28 @@ def tma_ready_a_scale(a_scale: torch.Tensor, check_only: bool = False):
     return tma
 
 
+def check_expert_dims(a, b) -> tuple[int, int]:
+    """a [E, max_m, *] and b [E, N, *] (rank-3 tensors): at least one expert,
+    one row, the same E. Returns b's (N, last extent)."""
+    e_count, max_m, _ = a.shape
+    b_e, n, b_k = b.shape
+    if e_count < 1:
+        raise ValueError(f"a must hold at least one expert, got shape {tuple(a.shape)}")
+    if max_m < 1:
+        raise ValueError(f"a.shape[1] (max_m) must be >= 1, got {max_m}")
+    if b_e != e_count:
+        raise ValueError(f"b.shape[0] must equal the expert count E={e_count} of a, got {b_e}")
+    return n, b_k
+
+
+def check_masked_m(masked_m, e_count: int) -> None:
+    """masked_m (an int32 vector) holds one contiguous entry per expert."""
+    if masked_m.shape[0] != e_count:
+        raise ValueError(f"masked_m must have E={e_count} entries, got {masked_m.shape[0]}")
+    if masked_m.stride(0) != 1 and e_count > 1:
+        raise ValueError(f"masked_m must be contiguous, got stride {masked_m.stride(0)}")
+
+
 def validate_args(a, b, out, masked_m, a_scale=None, b_scale=None) -> tuple[int, int, int, int]:
     """Shape, dtype, stride and aliasing checks. Returns (E, max_m, N, K)."""
     _check_tensor("a", a, 3, _AB_DTYPES)
@@ -169,13 +191,7 @@ def validate_args(a, b, out, masked_m, a_scale=None, b_scale=None) -> tuple[int,
     _check_tensor("b", b, 3, (a.dtype,))
     _check_tensor("masked_m", masked_m, 1, (torch.int32,))
     e_count, max_m, k = a.shape
-    b_e, n, b_k = b.shape
-    if e_count < 1:
-        raise ValueError(f"a must hold at least one expert, got shape {tuple(a.shape)}")
-    if max_m < 1:
-        raise ValueError(f"a.shape[1] (max_m) must be >= 1, got {max_m}")
-    if b_e != e_count:
-        raise ValueError(f"b.shape[0] must equal the expert count E={e_count} of a, got {b_e}")
+    n, b_k = check_expert_dims(a, b)
     if b_k != k:
         raise ValueError(f"b.shape[2] must equal K={k} of a, got {b_k}")
     # 16-byte TMA rows: K % 8 for 16-bit operands, K % 16 for fp8 (N likewise,
@@ -185,10 +201,7 @@ def validate_args(a, b, out, masked_m, a_scale=None, b_scale=None) -> tuple[int,
         raise ValueError(f"K (a.shape[2]) must be a positive multiple of {mult}, got {k}")
     if n < mult or n % mult:
         raise ValueError(f"N (b.shape[1]) must be a positive multiple of {mult}, got {n}")
-    if masked_m.shape[0] != e_count:
-        raise ValueError(f"masked_m must have E={e_count} entries, got {masked_m.shape[0]}")
-    if masked_m.stride(0) != 1 and e_count > 1:
-        raise ValueError(f"masked_m must be contiguous, got stride {masked_m.stride(0)}")
+    check_masked_m(masked_m, e_count)
     _check_scales(a, b, a_scale, b_scale, e_count, max_m, n, k)
     if out is not None:
         _check_tensor("out", out, 3, (out_dtype(a.dtype),))

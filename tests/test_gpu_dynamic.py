@@ -21,6 +21,7 @@ from flashgemm.sm90.heuristic import (
 )
 
 from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error
+from flashgemm.timing import capture_graph
 
 from conftest import requires_hopper
 from test_gpu_fp8 import _check as _check_fp8
@@ -145,11 +146,7 @@ def test_graph_replay_with_new_masked_m(seed):
     b = torch.randn(e_count, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     masked_m = torch.randint(0, max_m + 1, (e_count,), dtype=torch.int32, device="cuda")
     buf, out = _poisoned_out(e_count, max_m, n)
-    flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=config)  # warm-up: compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=config)
+    graph = capture_graph(lambda: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=config), calls=1)
     for _ in range(5):
         a.copy_(torch.randn_like(a))
         masked_m.copy_(torch.randint(0, max_m + 1, (e_count,), dtype=torch.int32))

@@ -4,6 +4,7 @@ import torch
 
 import flashgemm
 from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error
+from flashgemm.timing import capture_graph
 
 from conftest import requires_hopper
 
@@ -33,14 +34,7 @@ def test_graph_replay_with_new_masked_m_inputs_and_signals(seed):
         sig.zero_()
         flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, expected_m=64, dst_signals=sig)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step, calls=1)  # compiled and warmed up outside the capture
     for _ in range(4):
         # new token distribution (zeros, max_m, over-large) and new activations
         masked_m.copy_(torch.randint(-2, max_m + 20, (e_count,), dtype=torch.int32))

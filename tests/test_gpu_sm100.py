@@ -14,6 +14,7 @@ from flashgemm.blockscale import (
 )
 from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token
 from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error
+from flashgemm.timing import capture_graph
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10),
@@ -216,14 +217,7 @@ def test_graph_replay_with_new_masked_m(fmt, seed):
         sig.zero_()
         case.run(out, expected_m=64, dst_signals=sig)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step, calls=1)  # compiled and warmed up outside the capture
     for _ in range(4):
         case.masked_m.copy_(torch.randint(-2, max_m + 20, (e_count,), dtype=torch.int32))
         case.masked_m[-1] = 0

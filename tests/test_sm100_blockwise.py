@@ -162,7 +162,7 @@ def test_choose_blockwise_returns_a_launchable_spec(signal_mode):
 def _kernel_counters(masked_m, max_m, n, num_ctas, signal_mode):
     """The counters after the kernel, from the package's model of the tile
     order the kernel walks and the index the epilogue adds to."""
-    from flashgemm.sm100.blockwise_store import signal_index
+    from flashgemm.sm100.walk import signal_index
 
     num_m_slots = -(-max_m // 128)
     size = len(masked_m) * (1 if signal_mode == "expert" else num_m_slots)
@@ -171,7 +171,7 @@ def _kernel_counters(masked_m, max_m, n, num_ctas, signal_mode):
     tiles = [t for cta in order for t in cta]
     assert sorted(tiles) == sorted(valid_tiles(masked_m, max_m, n, 128, 128))  # each valid tile once
     for e, mb, _nb in tiles:
-        counters[signal_index(signal_mode, e, mb, num_m_slots)] += 1
+        counters[signal_index(signal_mode, e, mb, 0, 1, num_m_slots)] += 1
     return counters
 
 

@@ -20,6 +20,7 @@ import torch
 from ..jit import cache
 from ..jit.arch import default_arch, device_facts, ensure_arch_env
 from ..jit.key import cache_key
+from ..jit.fakes import row_major
 from ..jit.options import compile_options
 from ..signals import SignalLayout, check_rows_per_item
 from .buffers import FLAG_WORDS, STATE_WORDS, SUM_DTYPES, TokenBuffers
@@ -67,9 +68,6 @@ def build_ep_combine(block_m: int, rows_per_item: int, bf16_sums: bool, arch: Op
     n = cute.sym_int(divisibility=8)  # rows of y and of the token buffers are 16-byte aligned
     w = cute.sym_int()
     fake = cute.runtime.make_fake_compact_tensor
-
-    def row_major(dt, shape, align=4):
-        return fake(dt, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align)
 
     with compile_options(keep_ptx) as options:
         fn = cute.compile(

@@ -32,15 +32,7 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 from .blockwise_roles import make_walker
-
-
-def signal_index(signal_mode, expert, m_block, num_m_slots):
-    """The counter a tile (expert, m_block, any n-block) adds 1 to: integer
-    arithmetic only, so the device and the tests share it. ``num_m_slots``:
-    ceil(max_m / 128)."""
-    if signal_mode == "expert":
-        return expert
-    return expert * num_m_slots + m_block
+from .walk import signal_index
 
 
 class TileStoreWarp:
@@ -100,6 +92,7 @@ class TileStoreWarp:
 
     @cute.jit
     def _release_add(self, work, num_m_slots):
-        index = signal_index(self.signal_mode, work.expert, work.m_block, num_m_slots)
+        # one CTA per 128-row tile: the sm_100 index with a CTA group of one
+        index = signal_index(self.signal_mode, work.expert, work.m_block, 0, 1, num_m_slots)
         cute.arch.red(self.mSignals.iterator + index, Int32(1), op="add", dtype=cutlass.Int32,
                       sem="release", scope="gpu")

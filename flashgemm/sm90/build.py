@@ -19,6 +19,7 @@ from ..config import CLAIM_COUNTER_INTS, Epilogue, KernelSpec, TileOrder
 from ..jit import cache
 from ..jit.arch import default_arch, ensure_arch_env
 from ..jit.key import cache_key
+from ..jit.fakes import row_major
 from ..jit.options import compile_options
 from ..signals import DEFAULT_ROWS_PER_ITEM
 from .heuristic import reachable_specs
@@ -173,9 +174,6 @@ def build_combine(
     e, m, t = cute.sym_int(), cute.sym_int(), cute.sym_int()
     n = cute.sym_int(divisibility=8)
     fake = cute.runtime.make_fake_compact_tensor
-
-    def row_major(dt, shape, align=4):
-        return fake(dt, shape, stride_order=tuple(reversed(range(len(shape)))), assumed_align=align)
 
     with compile_options(keep_ptx) as options:
         fn = cute.compile(
