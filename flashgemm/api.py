@@ -152,7 +152,7 @@ def grouped_gemm_nt_masked(
     is "m_block" or "expert". With signals the call returns ``(out, layout)``,
     the :class:`SignalLayout` used (the same ``signal_layout(...)`` gives
     before the launch); without, it returns ``out``.
-    combine: a :class:`Combine` (token_index, weight, output, err): instead of
+    combine: a :class:`Combine` (token_index, weight, output, err, peers): instead of
     storing ``out`` (pass None), the epilogue reduce-adds
     ``weight[e, r] * bf16(row r of expert e)`` into ``output[token_index[e, r]]``
     (fp32 or bf16 [T, N]) for every valid row; returns ``(output, err)``, where
@@ -160,7 +160,10 @@ def grouped_gemm_nt_masked(
     row skipped). The adds land in no fixed order, so the sums can differ in
     their last bits from run to run. A bf16 output sums in bf16 in L2 (each
     add rounds): half the bytes of fp32 and nearly free beside the GEMM, at
-    the rounding error ``docs/design.md`` measures.
+    the rounding error ``docs/design.md`` measures. With ``peers`` (expert
+    parallelism) each weighted row is instead stored as bf16 into its owner
+    rank's receive buffer (see :class:`Combine`), no sums; ``err`` bit 2 then
+    flags a destination outside [0, W * R).
     """
     if torch.compiler.is_compiling():
         return _as_custom_op(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config,
@@ -253,7 +256,7 @@ def _combine_call(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, co
                b.get_device(), masked_m.dtype, masked_m.get_device(), out is None, dst_signals is None,
                None if a_scale is None else (a_scale.shape, a_scale.stride(), a_scale.get_device()),
                None if b_scale is None else (b_scale.shape, b_scale.stride(), b_scale.get_device()),
-               tuple((t.dtype, t.shape, t.stride(), t.get_device()) for t in routing),
+               tuple(None if t is None else (t.dtype, t.shape, t.stride(), t.get_device()) for t in routing),
                expected_m, type(expected_m), num_sms, type(num_sms), config)
         plan = _PLANS.get(key)
         if plan is not None and not plan.pointers_ok(a, b, masked_m, out, a_scale, b_scale, dst_signals,
@@ -290,7 +293,7 @@ def _explain(refused: Exception, *args):
 
 _PLANS: dict = {}
 _MAX_PLANS = 4096
-_NO_ROUTING = (None, None, None, None)  # token_index, weight, output, err of a call without combine
+_NO_ROUTING = (None,) * 5  # token_index, weight, output, err, peers of a call without combine
 
 
 def _remember(key, plan) -> None:
@@ -333,7 +336,8 @@ class _LaunchPlan:
         if dst_signals is not None:
             ptrs.append(dst_signals.data_ptr())
         for t in routing:
-            ptrs.append(t.data_ptr())
+            if t is not None:  # (peers, without expert parallelism)
+                ptrs.append(t.data_ptr())
         if ptrs == self.last_ok:
             return True
         extents = self.extents
@@ -354,7 +358,7 @@ class _LaunchPlan:
         return True
 
     def launch(self, a, b, out, masked_m, a_scale, b_scale, dst_signals, routing=()):
-        """``routing``: the combine's four tensors (the call then has no out)."""
+        """``routing``: the combine's five fields (the call then has no out)."""
         if out is None and not routing:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=a.device)
         if self.copy_a_scale:
@@ -465,8 +469,9 @@ def _make_plan(
 
 def _pointer_rules(tensors, copy_a_scale: bool) -> dict:
     """Which of (a, b, masked_m, out, a_scale, b_scale, dst_signals, and the
-    combine's token_index, weight, output, err) are present, which must be
-    16-byte aligned, which are written."""
+    combine's token_index, weight, output, err, peers) are present, which must
+    be 16-byte aligned, which are written (peers only addresses the buffers
+    written)."""
     present = [i for i, t in enumerate(tensors) if t is not None]
     pos = {i: n for n, i in enumerate(present)}
     aligned = [pos[i] for i in (0, 1, 3, 9) if i in pos]  # TMA bases; the combine's 16-byte reductions

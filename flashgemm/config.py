@@ -71,10 +71,14 @@ class Epilogue(enum.Enum):
     STORE = "store"  # bf16 rows out[e, :m_e]
     COMBINE = "combine"  # weight * row reduce-added into its token's fp32 row of a [T, N] output
     COMBINE_BF16 = "combine_bf16"  # the same into a bf16 output: half the bytes (docs/design.md)
+    # weight * row stored as bf16 into the receive buffer of its token's owner
+    # rank (an NVLink peer address), no reduction: the owner sums its k rows
+    COMBINE_PEERS = "combine_peers"
 
     @property
     def combines(self) -> bool:
-        """The fused combine: every row leaves as a weighted reduction."""
+        """The fused combine: every row leaves weighted, one by one (a
+        reduction into its token's row, or a store into its owner's buffer)."""
         return self is not Epilogue.STORE
 
 

@@ -19,6 +19,9 @@ PTX_FEATURES = {
     "acquire-poll": "ld.acquire.gpu",
     "combine-reduce": "red.relaxed.gpu.global.add.v4.f32",
     "combine-reduce-bf16": "red.relaxed.gpu.global.add.noftz.v4.bf16x2",
+    # 16-byte plain stores after 64-bit loads (the peers' receive-buffer
+    # addresses); a STORE kernel's partial-tile stores load no address
+    "combine-peer-store": re.compile(r"ld\.global\.b64\s.*?st\.global\.v4\.b32\s", re.S),
     "fp8-cvt": "cvt.rn.satfinite.e4m3x2.f32",
     # Blackwell (sm_100a / sm_103a)
     "tcgen05-mma-mxf8f6f4": re.compile(r"tcgen05\.mma\S*\.kind::mxf8f6f4\.block_scale"),
@@ -30,6 +33,9 @@ PTX_FEATURES = {
     "tcgen05.cp": "tcgen05.cp",
     "tcgen05.ld": "tcgen05.ld",
 }
+# how each fused combine's rows leave (by Epilogue value)
+COMBINE_FEATURE = {"combine": "combine-reduce", "combine_bf16": "combine-reduce-bf16",
+                   "combine_peers": "combine-peer-store"}
 # the MMA kind each sm100 format must use
 SM100_MMA_FEATURE = {"mxfp8": "tcgen05-mma-mxf8f6f4", "nvfp4": "tcgen05-mma-mxf4nvf4", "bf16": "tcgen05-mma-f16"}
 # A signalled kernel's publishing sequence, in this order: the bulk stores
@@ -93,15 +99,15 @@ def cmd_compile(args) -> int:
 def sm90_ok(spec, feats) -> bool:
     """What an sm_90 GEMM's PTX must show: wgmma and TMA loads, the signal
     sequence when signalled, and the fused combine's reductions (of the
-    output's dtype) instead of bulk stores."""
-    from .config import Epilogue
-
+    output's dtype), or its stores into the peers' buffers, instead of bulk
+    stores (and no other combine's)."""
     ok = "wgmma" in feats and "tma-load" in feats
     if spec.signal_mode is not None:
         ok &= "signal-publish" in feats
     if spec.epilogue.combines:
-        reduce = "combine-reduce-bf16" if spec.epilogue is Epilogue.COMBINE_BF16 else "combine-reduce"
-        ok &= reduce in feats and "tma-store" not in feats
+        send = COMBINE_FEATURE[spec.epilogue.value]
+        others = set(COMBINE_FEATURE.values()) - {send}
+        ok &= send in feats and "tma-store" not in feats and not others & set(feats)
     return ok
 
 

@@ -11,31 +11,47 @@ import torch
 from .config import Epilogue
 from .validation import _byte_span, _check_tensor, _overlaps
 
-COMBINE_FIELDS = ("combine.token_index", "combine.weight", "combine.output", "combine.err")
-ERR_BAD_TOKEN = 2  # error-word bit: a token index outside [0, T) (that row skipped)
+COMBINE_FIELDS = ("combine.token_index", "combine.weight", "combine.output", "combine.err", "combine.peers")
+ERR_BAD_TOKEN = 2  # error-word bit: a token index outside [0, T) or [0, W * R) (that row skipped)
 # the dtypes the sums may have: fp32, or bf16 (half the reduction bytes; docs/design.md)
 SUM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Combine(NamedTuple):
     """Where each dispatched row goes: ``output[token_index[e, r]] +=
-    weight[e, r] * row`` for the valid rows r < m_e of every expert e."""
+    weight[e, r] * row`` for the valid rows r < m_e of every expert e.
+
+    With ``peers`` (expert parallelism over W ranks, ``Epilogue.COMBINE_PEERS``)
+    nothing is summed: ``token_index[e, r]`` is the flat destination
+    ``owner * R + row`` and ``bf16(weight[e, r] * row)`` is stored, with plain
+    16-byte stores, into row ``row`` of rank ``owner``'s receive buffer, at
+    byte address ``peers[owner] + row * N * 2``. ``output`` is this rank's
+    receive buffer, a contiguous bf16 [R, N] tensor (the shape every rank's
+    has); each ``peers`` entry must be a 16-byte aligned address this GPU can
+    store to (its own buffer, or a peer's over NVLink). The stores are plain
+    (weak): the owner reads its buffer after the kernel completed and a
+    cross-rank synchronization, then sums the rows it received itself, in a
+    fixed order; rows sharing a destination overwrite each other."""
 
     token_index: torch.Tensor  # [E, max_m] int32 (only rows < m_e are read as routing)
     weight: torch.Tensor  # [E, max_m] float32
-    output: torch.Tensor  # [T, N] float32 or bfloat16, contiguous, 16-byte aligned: reduce-added into
+    # [T, N] float32 or bfloat16, contiguous, 16-byte aligned: reduce-added
+    # into (with peers: this rank's [R, N] bf16 receive buffer)
+    output: torch.Tensor
     err: Optional[torch.Tensor] = None  # [1] int32 error word, zeroed by the caller
+    peers: Optional[torch.Tensor] = None  # [W] int64 on the GPU: each rank's receive-buffer address
 
 
 def check_combine(combine, out, dst_signals, e_count: int, max_m: int, n: int, inputs: dict) -> tuple:
-    """Check a ``Combine`` against the call; returns its four tensors."""
+    """Check a ``Combine`` against the call; returns its five fields
+    (``peers`` None without expert parallelism)."""
     if not isinstance(combine, Combine):
         raise TypeError(f"combine must be a flashgemm.Combine, got {type(combine).__name__}")
     if out is not None:
         raise ValueError("out must be None with combine (the rows go to combine.output only)")
     if dst_signals is not None:
         raise ValueError("dst_signals and combine exclude each other (the combine is fused)")
-    token_index, weight, output, err = combine
+    token_index, weight, output, err, peers = combine
     for name, t, dtype in (("combine.token_index", token_index, torch.int32),
                            ("combine.weight", weight, torch.float32)):
         _check_tensor(name, t, 2, (dtype,))
@@ -60,9 +76,31 @@ def check_combine(combine, out, dst_signals, e_count: int, max_m: int, n: int, i
             raise ValueError(f"combine.output must not overlap {name}")
     if _overlaps(_byte_span(err), _byte_span(token_index)) or _overlaps(_byte_span(err), _byte_span(weight)):
         raise ValueError("combine.err must not overlap the routing tensors")
-    return token_index, weight, output, err
+    if peers is not None:
+        _check_peers(peers, output, span_out)
+    return token_index, weight, output, err, peers
+
+
+def _check_peers(peers, output, span_out) -> None:
+    """The receive-buffer table of ``Epilogue.COMBINE_PEERS``; its device is
+    checked with the other tensors' (``validation.validate_device``)."""
+    if output.dtype != torch.bfloat16:
+        raise TypeError(f"combine.output must have dtype torch.bfloat16 with combine.peers (the rows are "
+                        f"stored as bf16 into the receive buffers), got {output.dtype}")
+    _check_tensor("combine.peers", peers, 1, (torch.int64,))
+    if peers.shape[0] < 1 or not peers.is_contiguous():
+        raise ValueError(f"combine.peers must be a contiguous [W] tensor with W >= 1, got shape "
+                         f"{tuple(peers.shape)} strides {tuple(peers.stride())}")
+    if _overlaps(span_out, _byte_span(peers)):
+        raise ValueError("combine.peers must not overlap combine.output")
+    rows, world = output.shape[0], peers.shape[0]
+    if rows * world >= 2**31:  # the flat destinations owner * R + row are int32
+        raise ValueError(f"combine.peers: R * W must be below 2**31, got R={rows} rows per rank, W={world}")
 
 
 def combine_epilogue(combine: Combine) -> Epilogue:
-    """The epilogue that sums into ``combine.output``'s dtype."""
+    """The epilogue that stores into the peers' receive buffers, or sums
+    into ``combine.output``'s dtype."""
+    if combine.peers is not None:
+        return Epilogue.COMBINE_PEERS
     return Epilogue.COMBINE_BF16 if combine.output.dtype == torch.bfloat16 else Epilogue.COMBINE

@@ -5,6 +5,7 @@ import re
 import pytest
 
 from flashgemm.__main__ import ptx_features
+from flashgemm.kernels_cli import sm90_ok
 from flashgemm.config import Epilogue, GemmConfig, KernelSpec, Operands, Promotion, Staging, Tail, TileOrder
 from flashgemm.jit import cache
 from flashgemm.jit.key import cache_key
@@ -297,6 +298,7 @@ def test_cli_compile_lists_every_kernel(cli_compile_listing):
         fused = spec.epilogue.combines
         assert ("combine-reduce" in feats) == (spec.epilogue is Epilogue.COMBINE), spec.name()
         assert ("combine-reduce-bf16" in feats) == (spec.epilogue is Epilogue.COMBINE_BF16), spec.name()
+        assert ("combine-peer-store" in feats) == (spec.epilogue is Epilogue.COMBINE_PEERS), spec.name()
         assert ("tma-store" in feats) != fused, spec.name()
     assert "fp8-cvt" in lines["moe-silu_mul-fp8"][2] and "fp8-cvt" not in lines["moe-silu_mul-bf16"][2]
     for block_m in block_ms:
@@ -367,6 +369,25 @@ def test_dynamic_order_claims_and_returns_the_counter(ptx, cfg, operands):
     assert "atom.global" not in static and "st.async" not in static
 
 
+# one fused combine into the peers' receive buffers per operand format (the
+# listing checks every reachable one)
+PEER_SPECS = tuple(next(s for s in reachable_specs(ops) if s.epilogue is Epilogue.COMBINE_PEERS) for ops in (BF16, FP8))
+
+
+@pytest.mark.parametrize("spec", PEER_SPECS, ids=lambda s: s.name())
+def test_combine_peers_stores_each_row_piece_once_without_reductions(kernel_ptx, spec):
+    ptx = kernel_ptx(spec)
+    feats = ptx_features(ptx)
+    assert "combine-peer-store" in feats and sm90_ok(spec, feats)
+    assert not {"combine-reduce", "combine-reduce-bf16", "tma-store"} & set(feats)
+    assert not re.search(r"\bred\.", ptx) and "atom.global.add.f32" not in ptx  # plain stores only
+    # each row's address read from the table (64-bit loads), one 16-byte store per
+    # row piece: 2 rows a thread x tile_n / 32 sub-tiles, the compile-time unrolled count
+    assert "ld.global.b64" in ptx
+    assert ptx.count("st.global.v4.b32") == 2 * spec.config.tile_n // 32
+    assert ".local" not in ptx
+
+
 def test_ptx_features_names_the_signal_publish_sequence_in_order():
     gemm = "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 ...; cp.async.bulk.tensor.3d.shared::cta.global.tile"
     publish = (
@@ -384,6 +405,11 @@ def test_ptx_features_names_the_signal_publish_sequence_in_order():
         assert "signal-publish" not in ptx_features(gemm + bad)
     combine = "ld.acquire.gpu.global.b32 %r1, [%rd1]; cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"
     assert ptx_features(combine) == ["bulk-reduce", "acquire-poll"]
+    # a 16-byte store is a peer store only after a 64-bit load (the receive-buffer address)
+    store = "st.global.v4.b32 [%rd9], {%r1, %r2, %r3, %r4};"
+    assert ptx_features(store) == [] and ptx_features(store + "\nld.global.b64 %rd5, [%rd2];") == []
+    assert ptx_features("ld.global.b64 %rd5, [%rd2];\n\tadd.s64 %rd9, %rd5, %rd8;\n\t" + store) == [
+        "combine-peer-store"]
 
 
 class _FakeBuild:
@@ -425,4 +451,5 @@ PTX_SPECS = tuple(dict.fromkeys(
        for variant in (cfg, cfg.replace(pdl=False), cfg.replace(l2_warmup=False))]
     + [KernelSpec(variant, ops) for cfg, ops in DYNAMIC_CASES
        for variant in (cfg, cfg.replace(order=TileOrder.EXPERT_MAJOR))]
+    + list(PEER_SPECS)
 ))

@@ -40,8 +40,9 @@ def _specs(ops, cfg, use):
     """The specs a call with this config launches: no signal mode without
     signals, either granularity with them, the fused-combine epilogue with
     ``combine``."""
-    if use == "combine":  # the dtype of the sums picks one of two builds
-        return {KernelSpec(cfg, ops, None, epi) for epi in (Epilogue.COMBINE, Epilogue.COMBINE_BF16)}
+    if use == "combine":  # the target (fp32 or bf16 sums, or the peers' buffers) picks one of three builds
+        return {KernelSpec(cfg, ops, None, epi) for epi in (Epilogue.COMBINE, Epilogue.COMBINE_BF16,
+                                                            Epilogue.COMBINE_PEERS)}
     modes = ("m_block", "expert") if use == "signals" else (None,)
     return {KernelSpec(cfg, ops, mode) for mode in modes}
 
@@ -137,7 +138,8 @@ def test_short_name_distinguishes_configs():
     assert len(fp8_names) == len(FP8_CONFIGS)
     # one name per kernel
     specs = reachable_specs()
-    assert len({s.name() for s in specs}) == len(specs) == 130  # 78 stores, 26 fused combines into fp32 and 26 into bf16
+    # 78 stores; 26 fused combines into fp32, 26 into bf16 and 26 into the peers' receive buffers
+    assert len({s.name() for s in specs}) == len(specs) == 156
     base = GemmConfig().short_name()
     for changes in (
         dict(l2_hints=True), dict(order=TileOrder.N_MAJOR), dict(order=TileOrder.DYNAMIC),
@@ -376,9 +378,10 @@ def test_heuristic_sweep_yields_exactly_the_reachable_specs():
             calls += 1
     assert calls > 100_000
     want = set(reachable_specs())
-    assert len(want) == len(reachable_specs()) == 130
+    assert len(want) == len(reachable_specs()) == 156
     assert sum(s.epilogue is Epilogue.COMBINE for s in want) == 26
     assert sum(s.epilogue is Epilogue.COMBINE_BF16 for s in want) == 26
+    assert sum(s.epilogue is Epilogue.COMBINE_PEERS for s in want) == 26
     missing = sorted(s.name() for s in want - got)
     extra = sorted(s.name() for s in got - want)
     assert not missing and not extra, (missing, extra)

@@ -1,5 +1,5 @@
-"""The EP combine compiled for sm_90a without a GPU, its PTX checked; and the
-CPU-side rules of the EP buffers (multicast off)."""
+"""The EP combine and its completion step compiled for sm_90a without a GPU,
+their PTX checked; and the CPU-side rules of the EP buffers (multicast off)."""
 
 import re
 
@@ -7,13 +7,18 @@ import pytest
 import torch
 
 from flashgemm.ep import buffers as ep_buffers
-from flashgemm.ep.combine import build_ep_combine, describe_error
+from flashgemm.ep.combine import build_ep_combine, build_ep_complete, describe_error
 
 
-@pytest.fixture(scope="module", params=[(64, 1, False), (128, 4, True)], ids=["f32-sums", "bf16-sums"])
+@pytest.fixture(scope="module", params=[(64, 1), (128, 4)], ids=["64x1", "128x4"])
 def combine_ptx(request):
-    block_m, rows_per_item, bf16 = request.param
-    return bf16, build_ep_combine(block_m, rows_per_item, bf16, "sm_90a", keep_ptx=True).__ptx__
+    block_m, rows_per_item = request.param
+    return build_ep_combine(block_m, rows_per_item, "sm_90a", keep_ptx=True).__ptx__
+
+
+@pytest.fixture(scope="module")
+def complete_ptx():
+    return build_ep_complete("sm_90a", keep_ptx=True).__ptx__
 
 
 def _lines(ptx, pattern):
@@ -22,35 +27,32 @@ def _lines(ptx, pattern):
 
 
 def test_polls_the_gemm_signals_with_gpu_scope_acquire(combine_ptx):
-    _, ptx = combine_ptx
+    ptx = combine_ptx
     assert _lines(ptx, r"ld\.acquire\.gpu\.global\.b32")
     assert _lines(ptx, r"nanosleep")  # backed-off, bounded poll
 
 
-def test_row_reductions_are_system_scope_vectors(combine_ptx):
-    bf16, ptx = combine_ptx
-    reds = _lines(ptx, r"^red\.")
-    rows = [r for r in reds if ".s32" not in r]
-    assert rows, reds
-    want = r"red\.relaxed\.sys\.global\.add\.noftz\.v4\.bf16x2" if bf16 else r"red\.relaxed\.sys\.global\.add\.v4\.f32"
-    assert all(re.match(want, r) for r in rows), rows
-    # no GPU-scope (peer-unsafe) or scalar row reductions
-    assert not [r for r in rows if ".gpu" in r]
+def test_rows_leave_as_plain_16_byte_stores(combine_ptx):
+    ptx = combine_ptx
+    assert _lines(ptx, r"^st\.global\.v4\.b32")  # one writer per (token, slot): no remote atomics
+    rows = [r for r in _lines(ptx, r"^red\.") if ".s32" not in r]
+    assert not rows, rows  # the only reductions left are the int32 completion counts
 
 
-def test_completion_is_release_acquire_at_system_scope(combine_ptx):
-    _, ptx = combine_ptx
-    assert _lines(ptx, r"red\.release\.sys\.global\.add\.s32")  # count into each peer's flags
-    assert _lines(ptx, r"ld\.acquire\.sys\.global\.b32")  # wait for each peer's count
-    assert _lines(ptx, r"fence\.acq_rel\.sys")  # reductions performed before the count
-    assert _lines(ptx, r"atom\.global\.acq_rel\.add")  # the CTA-done counter
-    assert _lines(ptx, r"atom\.global\.sys\.or\.b32")  # a local error posted to the peers
+def test_completion_is_release_acquire_at_system_scope(combine_ptx, complete_ptx):
+    for ptx in (combine_ptx, complete_ptx):
+        assert _lines(ptx, r"red\.release\.sys\.global\.add\.s32")  # count into each peer's flags
+        assert _lines(ptx, r"ld\.acquire\.sys\.global\.b32")  # wait for each peer's count
+        assert _lines(ptx, r"fence\.acq_rel\.sys")  # row writes performed before the count
+        assert _lines(ptx, r"atom\.global\.sys\.or\.b32")  # a local error posted to the peers
+    assert _lines(combine_ptx, r"atom\.global\.acq_rel\.add")  # the CTA-done counter
+    assert not _lines(complete_ptx, r"^st\.global\.v4")  # the completion step writes no rows
 
 
-def test_no_multicast_anywhere(combine_ptx):
-    _, ptx = combine_ptx
-    assert "multimem" not in ptx
-    assert "cp.reduce.async.bulk" not in ptx  # peers get plain 16-byte reductions
+def test_no_multicast_anywhere(combine_ptx, complete_ptx):
+    for ptx in (combine_ptx, complete_ptx):
+        assert "multimem" not in ptx
+        assert "cp.reduce.async.bulk" not in ptx
 
 
 def test_multicast_off_env_sets_and_refuses():
@@ -66,11 +68,13 @@ def test_multicast_off_env_sets_and_refuses():
 
 def test_alloc_checks_arguments_before_the_engine():
     with pytest.raises(ValueError, match="hidden must be a multiple of 8"):
-        ep_buffers.alloc_token_buffers(4, 12)
+        ep_buffers.alloc_token_buffers(4, 12, 2)
     with pytest.raises(TypeError, match="dtype must be torch.float32 or torch.bfloat16"):
-        ep_buffers.alloc_token_buffers(4, 16, dtype=torch.float16)
+        ep_buffers.alloc_token_buffers(4, 16, 2, dtype=torch.float16)
     with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
-        ep_buffers.alloc_token_buffers(0, 16)
+        ep_buffers.alloc_token_buffers(0, 16, 2)
+    with pytest.raises(ValueError, match="top_k must be an int >= 1"):
+        ep_buffers.alloc_token_buffers(4, 16, 0)
 
 
 def test_peer_addresses_from_the_engine_handle():
@@ -93,22 +97,32 @@ def test_error_word_in_words():
     assert "peer did not report completion" in text and "timed out" in text
 
 
-def test_layer_refuses_the_fused_form():
+def test_layer_forms():
     from flashgemm.ep.layer import CombineForm, check_form
 
-    with pytest.raises(NotImplementedError, match="flashgemm/sm90/epilogue.py"):
-        check_form(CombineForm.FUSED)
-    check_form(CombineForm.SIGNALLED)
-    check_form(CombineForm.SEQUENTIAL)
+    for form in CombineForm:
+        assert check_form(form) is form
+    with pytest.raises(TypeError, match="form must be a CombineForm"):
+        check_form("fused")
+
+
+def test_destinations_name_owner_token_and_slot():
+    from flashgemm.ep.plan import CombineRouting
+
+    i32 = torch.int32
+    routing = CombineRouting(torch.tensor([[1, 0, -1]], dtype=i32), torch.tensor([[5, 2, -1]], dtype=i32),
+                             torch.tensor([[3, 0, -1]], dtype=i32), torch.ones(1, 3))
+    # rows per rank 40 = 10 tokens x top-4
+    assert routing.destinations(40, 4).tolist() == [[40 + 5 * 4 + 3, 2 * 4, -1]]
 
 
 def test_the_combine_is_cached_like_the_gemms():
     from flashgemm.ep.combine import DEFAULT_EP_ROWS_PER_ITEM, get_ep_combine
     from flashgemm.jit import cache
 
-    first = get_ep_combine(64, DEFAULT_EP_ROWS_PER_ITEM, False, "sm_90a")
+    first = get_ep_combine(64, DEFAULT_EP_ROWS_PER_ITEM, "sm_90a")
     builds = cache.compile_count
-    assert get_ep_combine(64, DEFAULT_EP_ROWS_PER_ITEM, False, "sm_90a") is first
+    assert get_ep_combine(64, DEFAULT_EP_ROWS_PER_ITEM, "sm_90a") is first
     assert cache.compile_count == builds
 
 
@@ -116,4 +130,4 @@ def test_combine_kernel_refuses_bad_rows_per_item():
     from flashgemm.ep.combine_kernel import EpCombineSm90
 
     with pytest.raises(ValueError, match="rows_per_item must be a power of two dividing block_m=64"):
-        EpCombineSm90(64, 3, False)
+        EpCombineSm90(64, 3)

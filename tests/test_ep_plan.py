@@ -31,12 +31,14 @@ def _routing(world, tokens, num_experts, k, seed=0, drop=0.0):
 def _dispatch_and_combine(ids, weights, xs, num_experts, fn, max_m=None):
     """Emulate the whole layer with the world plan: every rank's rows land in
     the receivers' masked layouts, each row goes through the expert ``fn``,
-    and the weighted rows are summed back into their owners' tokens."""
+    each weighted row is written to its owner's receive buffer at (token,
+    slot), exactly once, and each owner sums its tokens' routed slots."""
     world = len(ids)
     plan = plan_world(ids, weights, num_experts, max_m=max_m)
     e_local = num_experts // world
     hidden = xs[0].shape[1]
-    outs = [torch.zeros(x.shape[0], hidden) for x in xs]
+    k = ids[0].shape[1]
+    recv = [torch.full((x.shape[0], k, hidden), float("nan")) for x in xs]
     for dest in range(world):
         rp = plan.receive[dest]
         layout = torch.full((e_local * rp.max_m, hidden), float("nan"))
@@ -51,10 +53,15 @@ def _dispatch_and_combine(ids, weights, xs, num_experts, fn, max_m=None):
             assert not torch.isnan(layout[e, :m]).any()
             assert torch.isnan(layout[e, m:]).all()
             assert (routing.src_rank[e, m:] == -1).all() and (routing.src_token[e, m:] == -1).all()
+            assert (routing.src_slot[e, m:] == -1).all()
             y = fn(dest * e_local + e, layout[e, :m])
             for r in range(m):
-                owner = int(routing.src_rank[e, r])
-                outs[owner][int(routing.src_token[e, r])] += routing.weight[e, r] * y[r]
+                owner, token, slot = (int(routing.src_rank[e, r]), int(routing.src_token[e, r]),
+                                      int(routing.src_slot[e, r]))
+                assert int(ids[owner][token, slot]) == dest * e_local + e  # the slot that routed it here
+                assert torch.isnan(recv[owner][token, slot]).all()  # one writer per (token, slot)
+                recv[owner][token, slot] = routing.weight[e, r] * y[r]
+    outs = [torch.where((i >= 0)[..., None], rv, 0.0).sum(1) for i, rv in zip(ids, recv)]
     return outs, plan
 
 
@@ -184,7 +191,7 @@ def test_dispatch_at_world_size_one_is_a_local_permutation(fp8):
     d = dispatch(x, ids[0], weights[0], 4, x_scale=x_scale)
     plan = plan_world(ids, weights, 4)
     assert d.max_m == 9 and torch.equal(d.masked_m, plan.receive[0].masked_m)
-    for field in ("src_rank", "src_token", "weight"):
+    for field in ("src_rank", "src_token", "src_slot", "weight"):
         assert torch.equal(getattr(d.routing, field), getattr(plan.routing[0], field))
     for e in range(4):
         for r in range(int(d.masked_m[e])):

@@ -47,7 +47,7 @@ def _tokens(t, hidden, num_experts, k, seed=1):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("form", ["signalled", "sequential"])
+@pytest.mark.parametrize("form", ["fused", "signalled", "sequential"])
 @pytest.mark.parametrize("sums", [torch.float32, torch.bfloat16], ids=["f32-sums", "bf16-sums"])
 def test_world_of_one_equals_reference(fp8, form, sums):
     from flashgemm.ep.combine import check_error
@@ -58,20 +58,24 @@ def test_world_of_one_equals_reference(fp8, form, sums):
 
     e, hidden, inter, t, k = 16, 512, 256, 37, 4
     experts = _experts(e, hidden, inter, fp8)
-    buffers = local_token_buffers(t, hidden, dtype=sums)
+    buffers = local_token_buffers(t, hidden, k, dtype=sums)
     layer = EpMoELayer(experts, e, buffers, combine_sms=8)
     x, ids, w = _tokens(t, hidden, e, k)
     x_scale = None
     if fp8:
         x, x_scale = quantize_fp8_per_token(x, m_major=False)
     ref = ep_layer_ref(experts, x, ids, w, e, x_scale=x_scale)
-    for step in range(3):  # the completion's epoch advances; the buffer is re-zeroed
+    outs = []
+    for step in range(3):  # the completion's epoch advances; the receive buffer is overwritten
+        buffers.recv.fill_(float("nan"))  # unrouted slots hold garbage: the sum must skip them
         out, err = layer(x, ids, w, x_scale=x_scale, expected_m=8, form=CombineForm(form))
         torch.cuda.synchronize()
         check_error(err)
         assert similarity(out.float(), ref) < (1e-3 if sums == torch.bfloat16 else 1e-4)
-        assert buffers.state.tolist() == [0, step + 1]
+        assert buffers.state[1].item() == step + 1
         assert buffers.flags[0].item() == step + 1
+        outs.append(out.clone())
+    assert all(torch.equal(o, outs[0]) for o in outs)  # each token's slots summed in a fixed order
 
 
 def _combine_inputs(rows=8, hidden=64):
@@ -82,8 +86,9 @@ def _combine_inputs(rows=8, hidden=64):
     y = torch.ones(1, rows, hidden, dtype=torch.bfloat16, device="cuda")
     masked_m = torch.tensor([rows], dtype=torch.int32, device="cuda")
     signals = torch.full((layout.size,), layout.n_tiles, dtype=torch.int32, device="cuda")
-    routing = CombineRouting(torch.zeros(1, rows, dtype=torch.int32, device="cuda"),
-                             torch.arange(rows, dtype=torch.int32, device="cuda")[None],
+    # row r goes to token r // 2, slot r % 2 (top-2)
+    r = torch.arange(rows, dtype=torch.int32, device="cuda")[None]
+    routing = CombineRouting(torch.zeros(1, rows, dtype=torch.int32, device="cuda"), r // 2, r % 2,
                              torch.full((1, rows), 0.5, device="cuda"))
     return y, masked_m, signals, layout, routing
 
@@ -92,7 +97,7 @@ def test_gemm_signal_timeout_sets_bit_1_and_still_completes():
     from flashgemm.ep.combine import check_error, combine_to_owners
 
     y, masked_m, signals, layout, routing = _combine_inputs()
-    buffers = local_token_buffers(8, 64)
+    buffers = local_token_buffers(4, 64, 2)
     signals.zero_()  # the GEMM never signals
     err = combine_to_owners(y, masked_m, signals, layout, routing, buffers, num_sms=2, max_polls=1000)
     torch.cuda.synchronize()
@@ -105,14 +110,49 @@ def test_bad_route_sets_bit_2():
     from flashgemm.ep.combine import combine_to_owners
 
     y, masked_m, signals, layout, routing = _combine_inputs()
-    routing.src_token[0, 3] = 8  # past T
+    routing.src_token[0, 3] = 4  # past T
     routing.src_rank[0, 5] = 1  # no such rank
-    buffers = local_token_buffers(8, 64)
+    routing.src_slot[0, 6] = 2  # past k
+    buffers = local_token_buffers(4, 64, 2)
+    buffers.recv.fill_(-1.0)
     err = combine_to_owners(y, masked_m, signals, layout, routing, buffers, num_sms=2)
     torch.cuda.synchronize()
     assert err.item() == 2
-    sums = buffers.tokens[:, 0].tolist()
-    assert sums == [0.5 if r not in (3, 5) else 0.0 for r in range(8)]
+    got = buffers.recv[:, :, 0].reshape(-1).tolist()
+    assert got == [0.5 if r not in (3, 5, 6) else -1.0 for r in range(8)]
+    assert (buffers.recv[:, :, 1:] == buffers.recv[:, :, :1]).all()  # whole rows, not just column 0
+
+
+def _pair(me, ghost):
+    """A world of two made of two local buffers: this rank and a peer that never runs."""
+    return TokenBuffers(0, 2, me.recv, me.tokens, me.flags, torch.cat([me.peer_recv, ghost.peer_recv]),
+                        torch.cat([me.peer_flags, ghost.peer_flags]), me.state)
+
+
+def test_silent_peer_after_a_fused_gemm_sets_bit_4():
+    from flashgemm.ep.combine import complete
+
+    me, ghost = local_token_buffers(4, 64, 2), local_token_buffers(4, 64, 2)
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    complete(_pair(me, ghost), err, max_polls=2000)
+    torch.cuda.synchronize()
+    assert err.item() == 4
+    assert ghost.flags[0].item() == 1
+
+
+def test_finalize_sums_routed_slots_in_fp32():
+    from flashgemm.ep.combine import finalize
+
+    buffers = local_token_buffers(5, 64, 3, dtype=torch.bfloat16)
+    buffers.recv.fill_(float("nan"))
+    ids = torch.tensor([[0, 1, 2], [3, -1, 4], [-1, -1, -1]], dtype=torch.int32, device="cuda")
+    vals = torch.randn(3, 3, 64, device="cuda").to(torch.bfloat16)
+    buffers.recv[:3] = torch.where((ids >= 0)[..., None], vals, float("nan"))
+    out = finalize(buffers, ids)
+    want = torch.where((ids >= 0)[..., None], vals.float(), 0).sum(1).to(torch.bfloat16)
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match=r"topk_ids must be \[T <= 5, k = 3\]"):
+        finalize(buffers, ids[:, :2])
 
 
 def test_silent_peer_sets_bit_4_not_a_hang():
@@ -120,9 +160,8 @@ def test_silent_peer_sets_bit_4_not_a_hang():
     from flashgemm.ep.combine import combine_to_owners
 
     y, masked_m, signals, layout, routing = _combine_inputs()
-    me, ghost = local_token_buffers(8, 64), local_token_buffers(8, 64)
-    two = TokenBuffers(0, 2, me.tokens, me.flags, torch.cat([me.peer_tokens, ghost.peer_tokens]),
-                       torch.cat([me.peer_flags, ghost.peer_flags]), me.state)
+    me, ghost = local_token_buffers(4, 64, 2), local_token_buffers(4, 64, 2)
+    two = _pair(me, ghost)
     err = combine_to_owners(y, masked_m, signals, layout, routing, two, num_sms=2, max_polls=2000)
     torch.cuda.synchronize()
     assert err.item() == 4
@@ -134,9 +173,8 @@ def test_peer_error_is_raised_here_as_bit_8():
     from flashgemm.ep.combine import combine_to_owners
 
     y, masked_m, signals, layout, routing = _combine_inputs()
-    me, ghost = local_token_buffers(8, 64), local_token_buffers(8, 64)
-    two = TokenBuffers(0, 2, me.tokens, me.flags, torch.cat([me.peer_tokens, ghost.peer_tokens]),
-                       torch.cat([me.peer_flags, ghost.peer_flags]), me.state)
+    me, ghost = local_token_buffers(4, 64, 2), local_token_buffers(4, 64, 2)
+    two = _pair(me, ghost)
     me.flags[1] = 1  # rank 1 reported this launch done...
     me.flags[MAX_PEERS + 1] = 2  # ...with an error word of its own
     err = combine_to_owners(y, masked_m, signals, layout, routing, two, num_sms=2)
@@ -151,14 +189,17 @@ def test_combine_argument_errors():
     from flashgemm.ep.combine import combine_to_owners
 
     y, masked_m, signals, layout, routing = _combine_inputs()
-    buffers = local_token_buffers(8, 64)
+    buffers = local_token_buffers(4, 64, 2)
     with pytest.raises(ValueError, match="routing.src_rank must have shape"):
         combine_to_owners(y, masked_m, signals, layout, replace(routing, src_rank=routing.src_rank[:, :4]),
                           buffers, num_sms=2)
+    with pytest.raises(ValueError, match="routing.src_slot must have dtype"):
+        combine_to_owners(y, masked_m, signals, layout, replace(routing, src_slot=routing.src_slot.long()),
+                          buffers, num_sms=2)
     with pytest.raises(ValueError, match="num_sms must be an int"):
         combine_to_owners(y, masked_m, signals, layout, routing, buffers, num_sms=0)
-    with pytest.raises(ValueError, match=r"buffers.tokens must be \[T, H=64\]"):
-        combine_to_owners(y, masked_m, signals, layout, routing, local_token_buffers(8, 32), num_sms=2)
+    with pytest.raises(ValueError, match=r"buffers.recv must be a contiguous \[T, k, H=64\]"):
+        combine_to_owners(y, masked_m, signals, layout, routing, local_token_buffers(4, 32, 2), num_sms=2)
 
 
 def _env():
@@ -198,7 +239,21 @@ def test_two_or_more_gpus_equal_the_reference(bf16):
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                  "-m", "flashgemm.ep.demo", *SMALL, "--layers", "1000", *(["--bf16"] if bf16 else [])])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "-> OK" in proc.stdout and "1000 back-to-back layers: no hang" in proc.stdout
+    assert "-> OK" in proc.stdout and "1000 back-to-back layers (fused and signalled alternating): no hang" \
+        in proc.stdout
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs 2+ GPUs (EP across GPUs over NVLink)")
+def test_a_failed_rank_raises_on_every_rank_not_a_hang():
+    n = min(_gpus(), 8)
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+                 "-m", "flashgemm.ep.demo", *SMALL, "--fail-rank", "1", "--max-polls", "20000"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "failure drill" in line]
+    assert len(lines) == n, proc.stdout[-3000:]
+    for line in lines:
+        if "rank 1: rank 1: skipped" not in line:
+            assert "EP combine error word 0x4: " in line and "a peer did not report completion" in line, line
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2+ GPUs (EP across GPUs over NVLink)")

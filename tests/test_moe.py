@@ -27,7 +27,7 @@ def _routing(e_count=3, max_m=8, n=16, tokens=5):
 
 def test_check_combine_names_each_bad_argument():
     c = _routing()
-    assert len(check_combine(c, None, None, 3, 8, 16, {})) == 4
+    assert len(check_combine(c, None, None, 3, 8, 16, {})) == 5  # peers None
     cases = [
         (dict(out=torch.zeros(1)), "out must be None"),
         (dict(dst_signals=torch.zeros(1)), "dst_signals and combine"),
@@ -185,7 +185,7 @@ def test_combine_output_dtype_picks_the_epilogue():
     c = _routing(3, 8, 16, 5)
     assert combine_epilogue(c) is Epilogue.COMBINE
     bf = c._replace(output=torch.zeros(5, 16, dtype=torch.bfloat16))
-    assert len(check_combine(bf, None, None, 3, 8, 16, {})) == 4
+    assert len(check_combine(bf, None, None, 3, 8, 16, {})) == 5
     assert combine_epilogue(bf) is Epilogue.COMBINE_BF16
     with pytest.raises(TypeError, match="combine.output must have dtype"):
         check_combine(c._replace(output=torch.zeros(5, 16, dtype=torch.float16)), None, None, 3, 8, 16, {})

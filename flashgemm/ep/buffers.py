@@ -5,13 +5,16 @@ Engine: ``torch.distributed._symmetric_memory`` with its CUDA backend
 address space, peer writes over NVLink). Every rank allocates one buffer of
 the same size, laid out as
 
-    [flags: FLAG_WORDS int32 | pad to 256 B | tokens: (max_tokens, hidden) float32 or bfloat16]
+    [flags: FLAG_WORDS int32 | pad to 1 KiB | recv: (max_tokens, top_k, hidden) bfloat16]
 
-``tokens`` is where the combine reduce-adds the weighted expert rows of this
-rank's tokens (peers write it); ``flags`` is where peers count their
-completions and post their error words (``combine_kernel.peer_completion``).
-The combine reaches the peers through two device tables of int64 addresses,
-``peer_tokens`` and ``peer_flags``.
+``recv`` is where the combine stores the weighted expert rows of this rank's
+tokens, one row per (token, top-k slot): peers write it with plain 16-byte
+stores over NVLink (no remote atomics), and this rank then sums each token's
+k rows itself in a fixed order (``combine.finalize``: deterministic, fp32
+accumulation) into ``tokens``, ordinary local memory. ``flags`` is where peers
+count their completions and post their error words
+(``combine_kernel.peer_completion``). The combine reaches the peers through
+two device tables of int64 addresses, ``peer_recv`` and ``peer_flags``.
 
 Multicast stays off (NVLink SHARP / multimem are not used on these machines):
 ``multicast_off_env()`` sets ``NCCL_NVLS_ENABLE=0``,
@@ -41,11 +44,12 @@ MULTICAST_OFF = {
 # the flags block: [0, MAX_PEERS) completions per peer, [MAX_PEERS, 2 * MAX_PEERS) peers' error words
 MAX_PEERS = 64
 FLAG_WORDS = 2 * MAX_PEERS
-TOKENS_OFFSET = 1024  # bytes: the flags block, padded so the token rows stay 16-byte (and 1 KiB) aligned
+RECV_OFFSET = 1024  # bytes: the flags block, padded so the received rows stay 16-byte (and 1 KiB) aligned
 # local state words of the combine: CTAs done in this launch, launches completed (the epoch)
 STATE_WORDS = 2
 ENGINE_BACKEND = "CUDA"
 SUM_DTYPES = (torch.float32, torch.bfloat16)
+RECV_DTYPE = torch.bfloat16  # the weighted rows as the GEMM rounds its output
 
 
 def multicast_off_env(environ=None) -> dict:
@@ -87,18 +91,21 @@ def symmetric_memory_unavailable() -> Optional[str]:
 
 @dataclasses.dataclass(frozen=True, eq=False)  # holds tensors: identity equality
 class TokenBuffers:
-    """This rank's symmetric token buffer and what the combine needs to reach
-    every peer's. tokens: [max_tokens, hidden] local view; flags:
-    [FLAG_WORDS] int32 local view; peer_tokens / peer_flags: [W] int64 device
-    addresses of every rank's tokens / flags (entry ``rank`` is this rank's);
-    state: [STATE_WORDS] int32, ordinary device memory; handle: the engine's
-    handle (``barrier``), None for buffers built without the engine."""
+    """This rank's symmetric receive buffer and what the combine needs to
+    reach every peer's. recv: [max_tokens, top_k, hidden] bf16 local view of
+    the symmetric buffer; tokens: [max_tokens, hidden] float32 or bf16, the
+    summed outputs (ordinary memory); flags: [FLAG_WORDS] int32 local view;
+    peer_recv / peer_flags: [W] int64 device addresses of every rank's recv /
+    flags (entry ``rank`` is this rank's); state: [STATE_WORDS] int32,
+    ordinary device memory; handle: the engine's handle (``barrier``), None
+    for buffers built without the engine."""
 
     rank: int
     world_size: int
+    recv: torch.Tensor
     tokens: torch.Tensor
     flags: torch.Tensor
-    peer_tokens: torch.Tensor
+    peer_recv: torch.Tensor
     peer_flags: torch.Tensor
     state: torch.Tensor
     handle: object = None
@@ -106,11 +113,21 @@ class TokenBuffers:
 
     @property
     def max_tokens(self) -> int:
-        return self.tokens.shape[0]
+        return self.recv.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.recv.shape[1]
 
     @property
     def hidden(self) -> int:
-        return self.tokens.shape[1]
+        return self.recv.shape[2]
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Rows of one rank's receive buffer: a destination ``owner *
+        rows_per_rank + token * top_k + slot`` names one of them."""
+        return self.max_tokens * self.top_k
 
     def barrier(self, timeout_ms: int = 10_000) -> None:
         """The engine's signal-pad barrier on the current stream (no multicast:
@@ -154,20 +171,26 @@ def peer_addresses(handle, local_ptr: int, rank: int, world: int) -> list:
     return [p + offset for p in ptrs]
 
 
-def alloc_token_buffers(max_tokens: int, hidden: int, *, dtype: torch.dtype = torch.float32,
-                        group=None, device=None) -> TokenBuffers:
-    """Collective: every rank of ``group`` (default: the world) allocates its
-    buffer and exchanges addresses. Needs an initialized process group whose
-    ranks each drive one GPU; the tokens are left unzeroed (the layer zeroes
-    them), the flags are zeroed and a barrier follows, so no peer counts into
-    them before they are."""
-    for name, value in (("max_tokens", max_tokens), ("hidden", hidden)):
+def _check_sizes(max_tokens, hidden, top_k, dtype) -> None:
+    for name, value in (("max_tokens", max_tokens), ("hidden", hidden), ("top_k", top_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if dtype not in SUM_DTYPES:
         raise TypeError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     if hidden % 8:
-        raise ValueError(f"hidden must be a multiple of 8 (16-byte reductions), got {hidden}")
+        raise ValueError(f"hidden must be a multiple of 8 (16-byte row pieces), got {hidden}")
+    if max_tokens * top_k * hidden >= 2**31:
+        raise ValueError(f"max_tokens * top_k * hidden must stay below 2**31, got {max_tokens * top_k * hidden}")
+
+
+def alloc_token_buffers(max_tokens: int, hidden: int, top_k: int, *, dtype: torch.dtype = torch.float32,
+                        group=None, device=None) -> TokenBuffers:
+    """Collective: every rank of ``group`` (default: the world) allocates its
+    buffer and exchanges addresses. Needs an initialized process group whose
+    ranks each drive one GPU. ``dtype``: the summed outputs' (``tokens``).
+    The flags are zeroed and a barrier follows, so no peer counts into them
+    before they are."""
+    _check_sizes(max_tokens, hidden, top_k, dtype)
     check_multicast_off()
     reason = symmetric_memory_unavailable()
     if reason:
@@ -188,12 +211,11 @@ def alloc_token_buffers(max_tokens: int, hidden: int, *, dtype: torch.dtype = to
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(group.group_name)
-    nbytes = TOKENS_OFFSET + max_tokens * hidden * torch.empty((), dtype=dtype).element_size()
+    nbytes = RECV_OFFSET + max_tokens * top_k * hidden * 2
     raw = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(raw, group.group_name)
     bases = peer_addresses(handle, raw.data_ptr(), rank, world)
     flags = raw[: FLAG_WORDS * 4].view(torch.int32)
-    tokens = raw[TOKENS_OFFSET:].view(dtype).view(max_tokens, hidden)
     flags.zero_()
     torch.cuda.current_stream(device).synchronize()
     handle.barrier(channel=0, timeout_ms=60_000)
@@ -201,9 +223,10 @@ def alloc_token_buffers(max_tokens: int, hidden: int, *, dtype: torch.dtype = to
     return TokenBuffers(
         rank=rank,
         world_size=world,
-        tokens=tokens,
+        recv=raw[RECV_OFFSET:].view(RECV_DTYPE).view(max_tokens, top_k, hidden),
+        tokens=torch.zeros(max_tokens, hidden, dtype=dtype, device=device),
         flags=flags,
-        peer_tokens=torch.tensor([b + TOKENS_OFFSET for b in bases], dtype=torch.int64, device=device),
+        peer_recv=torch.tensor([b + RECV_OFFSET for b in bases], dtype=torch.int64, device=device),
         peer_flags=torch.tensor(bases, dtype=torch.int64, device=device),
         state=torch.zeros(STATE_WORDS, dtype=torch.int32, device=device),
         handle=handle,
@@ -211,18 +234,20 @@ def alloc_token_buffers(max_tokens: int, hidden: int, *, dtype: torch.dtype = to
     )
 
 
-def local_token_buffers(max_tokens: int, hidden: int, *, dtype=torch.float32, device="cuda") -> TokenBuffers:
+def local_token_buffers(max_tokens: int, hidden: int, top_k: int, *, dtype=torch.float32,
+                        device="cuda") -> TokenBuffers:
     """Ordinary device memory laid out as one rank's symmetric buffer, as
     "peer 0" of a world of one (tests; no process group, no engine)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    raw = torch.zeros(TOKENS_OFFSET + max_tokens * hidden * elem, dtype=torch.uint8, device=device)
+    _check_sizes(max_tokens, hidden, top_k, dtype)
+    raw = torch.zeros(RECV_OFFSET + max_tokens * top_k * hidden * 2, dtype=torch.uint8, device=device)
     base = raw.data_ptr()
     return TokenBuffers(
         rank=0,
         world_size=1,
-        tokens=raw[TOKENS_OFFSET:].view(dtype).view(max_tokens, hidden),
+        recv=raw[RECV_OFFSET:].view(RECV_DTYPE).view(max_tokens, top_k, hidden),
+        tokens=torch.zeros(max_tokens, hidden, dtype=dtype, device=device),
         flags=raw[: FLAG_WORDS * 4].view(torch.int32),
-        peer_tokens=torch.tensor([base + TOKENS_OFFSET], dtype=torch.int64, device=device),
+        peer_recv=torch.tensor([base + RECV_OFFSET], dtype=torch.int64, device=device),
         peer_flags=torch.tensor([base], dtype=torch.int64, device=device),
         state=torch.zeros(STATE_WORDS, dtype=torch.int32, device=device),
     )

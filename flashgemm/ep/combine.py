@@ -4,11 +4,14 @@ checks, the compile (cached like the GEMMs) and the launch.
 ``combine_to_owners(y, masked_m, dst_signals, layout, routing, buffers,
 num_sms=...)`` launches ``combine_kernel.EpCombineSm90`` on the current
 stream: every valid row of ``y`` goes, times its weight, into its owner
-rank's token buffer as soon as the down GEMM has signalled its m-block; the
-launch returns once every peer has reported completion, so after it
-``buffers.tokens[:T]`` holds this rank's complete sums. Launch it on a side
+rank's receive buffer as soon as the down GEMM has signalled its m-block;
+the kernel ends once every peer has reported completion. Launch it on a side
 stream while the GEMM runs, within the SMs the GEMM leaves free
 (``flashgemm.overlap``'s co-residency rule), or after the GEMM.
+``complete(buffers, err)`` is the completion step alone, after a down GEMM
+whose epilogue wrote the rows itself (``Combine.peers``). Then
+``finalize(buffers, topk_ids)`` sums each token's k received rows, in slot
+order with fp32 accumulation (deterministic), into ``buffers.tokens``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from ..jit.key import cache_key
 from ..jit.fakes import row_major
 from ..jit.options import compile_options
 from ..signals import SignalLayout, check_rows_per_item
-from .buffers import FLAG_WORDS, STATE_WORDS, SUM_DTYPES, TokenBuffers
+from .buffers import FLAG_WORDS, RECV_DTYPE, STATE_WORDS, SUM_DTYPES, TokenBuffers
 from .plan import CombineRouting
 
 DEFAULT_MAX_POLLS = 20_000_000  # with <= 256 ns back-off: seconds, not a hang
@@ -32,7 +35,7 @@ DEFAULT_MAX_POLLS = 20_000_000  # with <= 256 ns back-off: seconds, not a hang
 DEFAULT_EP_ROWS_PER_ITEM = 1
 ERROR_BITS = {
     1: "a wait on the down GEMM's completion signal timed out (co-residency rule broken, or the GEMM failed)",
-    2: "a routing entry named a rank or token out of range (that row was skipped)",
+    2: "a routing entry named a rank, token or slot out of range (that row was skipped)",
     4: "a peer did not report completion in time (a rank failed or fell behind)",
     8: "a peer reported an error of its own",
 }
@@ -55,8 +58,7 @@ def check_error(err: torch.Tensor, rank: Optional[int] = None) -> None:
         raise RuntimeError(describe_error(word, rank))
 
 
-def build_ep_combine(block_m: int, rows_per_item: int, bf16_sums: bool, arch: Optional[str] = None,
-                     keep_ptx: bool = False):
+def build_ep_combine(block_m: int, rows_per_item: int, arch: Optional[str] = None, keep_ptx: bool = False):
     """Compile ``EpCombineSm90`` for dynamic shapes, no caching."""
     ensure_arch_env(arch)
     import cutlass
@@ -65,16 +67,17 @@ def build_ep_combine(block_m: int, rows_per_item: int, bf16_sums: bool, arch: Op
     from .combine_kernel import EpCombineSm90
 
     e, m = cute.sym_int(), cute.sym_int()
-    n = cute.sym_int(divisibility=8)  # rows of y and of the token buffers are 16-byte aligned
+    n = cute.sym_int(divisibility=8)  # rows of y and of the receive buffers are 16-byte aligned
     w = cute.sym_int()
     fake = cute.runtime.make_fake_compact_tensor
 
     with compile_options(keep_ptx) as options:
         fn = cute.compile(
-            EpCombineSm90(block_m, rows_per_item, bf16_sums),
+            EpCombineSm90(block_m, rows_per_item),
             row_major(cutlass.BFloat16, (e, m, n), 16),
             fake(cutlass.Int32, (e,), assumed_align=4),
             fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4),
+            row_major(cutlass.Int32, (e, m)),
             row_major(cutlass.Int32, (e, m)),
             row_major(cutlass.Int32, (e, m)),
             row_major(cutlass.Float32, (e, m)),
@@ -83,6 +86,7 @@ def build_ep_combine(block_m: int, rows_per_item: int, bf16_sums: bool, arch: Op
             fake(cutlass.Int32, (FLAG_WORDS,), assumed_align=16),
             fake(cutlass.Int32, (STATE_WORDS,), assumed_align=4),
             fake(cutlass.Int32, (1,), assumed_align=4),
+            cutlass.Int32(1),
             cutlass.Int32(1),
             cutlass.Int32(0),
             cutlass.Int32(1),
@@ -95,10 +99,40 @@ def build_ep_combine(block_m: int, rows_per_item: int, bf16_sums: bool, arch: Op
     return fn
 
 
-def get_ep_combine(block_m: int, rows_per_item: int, bf16_sums: bool, arch: Optional[str] = None):
+def build_ep_complete(arch: Optional[str] = None, keep_ptx: bool = False):
+    """Compile ``EpCompleteSm90`` (the completion step alone), no caching."""
+    ensure_arch_env(arch)
+    import cutlass
+    import cutlass.cute as cute
+
+    from .combine_kernel import EpCompleteSm90
+
+    fake = cute.runtime.make_fake_compact_tensor
+    with compile_options(keep_ptx) as options:
+        fn = cute.compile(
+            EpCompleteSm90(),
+            fake(cutlass.Int64, (cute.sym_int(),), assumed_align=8),
+            fake(cutlass.Int32, (FLAG_WORDS,), assumed_align=16),
+            fake(cutlass.Int32, (STATE_WORDS,), assumed_align=4),
+            fake(cutlass.Int32, (1,), assumed_align=4),
+            cutlass.Int32(0),
+            cutlass.Int32(1),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=options,
+        )
+    cache.count_compile()
+    return fn
+
+
+def get_ep_combine(block_m: int, rows_per_item: int, arch: Optional[str] = None):
     arch = arch or default_arch()
-    return cache.cached(cache_key(arch, "ep_combine", block_m, rows_per_item, bf16_sums),
-                        lambda: build_ep_combine(block_m, rows_per_item, bf16_sums, arch))
+    return cache.cached(cache_key(arch, "ep_combine_store", block_m, rows_per_item),
+                        lambda: build_ep_combine(block_m, rows_per_item, arch))
+
+
+def get_ep_complete(arch: Optional[str] = None):
+    arch = arch or default_arch()
+    return cache.cached(cache_key(arch, "ep_complete"), lambda: build_ep_complete(arch))
 
 
 def _check(name, t, dtype, shape, device):
@@ -114,14 +148,35 @@ def _check(name, t, dtype, shape, device):
         raise ValueError(f"{name} is on {t.device} but y is on {device}")
 
 
+def check_buffers(buffers, hidden: int, dev) -> None:
+    if not isinstance(buffers, TokenBuffers):
+        raise TypeError(f"buffers must be a flashgemm.ep.buffers.TokenBuffers, got {type(buffers).__name__}")
+    world = buffers.world_size
+    recv = buffers.recv
+    if recv.dtype != RECV_DTYPE or recv.dim() != 3 or recv.shape[2] != hidden or not recv.is_contiguous():
+        raise ValueError(f"buffers.recv must be a contiguous [T, k, H={hidden}] bfloat16 tensor, got "
+                         f"{recv.dtype} {tuple(recv.shape)}")
+    if recv.device != dev or recv.data_ptr() % 16:
+        raise ValueError(f"buffers.recv must be on {dev} and 16-byte aligned")
+    tokens = buffers.tokens
+    if tokens.dtype not in SUM_DTYPES or tuple(tokens.shape) != (recv.shape[0], hidden) or tokens.device != dev:
+        raise ValueError(f"buffers.tokens must be [T={recv.shape[0]}, H={hidden}] float32 or bfloat16 on {dev}, "
+                         f"got {tokens.dtype} {tuple(tokens.shape)} on {tokens.device}")
+    _check("buffers.peer_recv", buffers.peer_recv, torch.int64, (world,), dev)
+    _check("buffers.peer_flags", buffers.peer_flags, torch.int64, (world,), dev)
+    _check("buffers.flags", buffers.flags, torch.int32, (FLAG_WORDS,), dev)
+    _check("buffers.state", buffers.state, torch.int32, (STATE_WORDS,), dev)
+    if not 0 <= buffers.rank < world:
+        raise ValueError(f"buffers.rank must lie in [0, {world}), got {buffers.rank}")
+
+
 def check_combine_args(y, masked_m, dst_signals, layout, routing, buffers, num_sms, max_polls,
                        rows_per_item, err) -> None:
     """Every check of ``combine_to_owners``, before anything is launched."""
     if not isinstance(layout, SignalLayout) or layout.granularity != "m_block":
         raise ValueError("layout must be the 'm_block' SignalLayout of the down GEMM call")
     check_rows_per_item(rows_per_item, layout.block_m)
-    if not isinstance(max_polls, int) or isinstance(max_polls, bool) or not 1 <= max_polls < 2**31:
-        raise ValueError(f"max_polls must be an int in [1, 2**31), got {max_polls!r}")
+    _check_polls(max_polls)
     if not isinstance(y, torch.Tensor) or y.dim() != 3 or y.dtype != torch.bfloat16:
         raise ValueError(f"y must be the [E, max_m, H] bfloat16 down GEMM output, got "
                          f"{getattr(y, 'dtype', type(y).__name__)} {tuple(getattr(y, 'shape', ()))}")
@@ -145,21 +200,9 @@ def check_combine_args(y, masked_m, dst_signals, layout, routing, buffers, num_s
         raise TypeError(f"routing must be a flashgemm.ep.plan.CombineRouting, got {type(routing).__name__}")
     _check("routing.src_rank", routing.src_rank, torch.int32, (e_count, max_m), dev)
     _check("routing.src_token", routing.src_token, torch.int32, (e_count, max_m), dev)
+    _check("routing.src_slot", routing.src_slot, torch.int32, (e_count, max_m), dev)
     _check("routing.weight", routing.weight, torch.float32, (e_count, max_m), dev)
-    if not isinstance(buffers, TokenBuffers):
-        raise TypeError(f"buffers must be a flashgemm.ep.buffers.TokenBuffers, got {type(buffers).__name__}")
-    world = buffers.world_size
-    if buffers.tokens.dtype not in SUM_DTYPES or buffers.tokens.dim() != 2 or buffers.hidden != hidden:
-        raise ValueError(f"buffers.tokens must be [T, H={hidden}] float32 or bfloat16, got "
-                         f"{buffers.tokens.dtype} {tuple(buffers.tokens.shape)}")
-    if buffers.tokens.device != dev or buffers.tokens.data_ptr() % 16:
-        raise ValueError("buffers.tokens must be on y's device and 16-byte aligned")
-    _check("buffers.peer_tokens", buffers.peer_tokens, torch.int64, (world,), dev)
-    _check("buffers.peer_flags", buffers.peer_flags, torch.int64, (world,), dev)
-    _check("buffers.flags", buffers.flags, torch.int32, (FLAG_WORDS,), dev)
-    _check("buffers.state", buffers.state, torch.int32, (STATE_WORDS,), dev)
-    if not 0 <= buffers.rank < world:
-        raise ValueError(f"buffers.rank must lie in [0, {world}), got {buffers.rank}")
+    check_buffers(buffers, hidden, dev)
     _check("err", err, torch.int32, (1,), dev)
     sm_count = device_facts(dev.index)[1]
     if isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 1 <= num_sms <= sm_count:
@@ -181,16 +224,52 @@ def combine_to_owners(
 ) -> torch.Tensor:
     """Launch the signalled combine on the current stream; returns the int32
     error word (``check_error`` reads it after a sync). Every rank of the group
-    must launch it once per layer (its completion step counts launches).
-    ``buffers.tokens`` of every rank must have been zeroed before any peer's
-    combine starts (``layer`` orders that through the dispatch)."""
+    must launch it (or ``complete``) once per layer: its completion step
+    counts launches."""
     rows_per_item = DEFAULT_EP_ROWS_PER_ITEM if rows_per_item is None else rows_per_item
     if err is None and isinstance(y, torch.Tensor):
         err = torch.zeros(1, dtype=torch.int32, device=y.device)
     check_combine_args(y, masked_m, dst_signals, layout, routing, buffers, num_sms, max_polls,
                        rows_per_item, err)
-    fn = get_ep_combine(layout.block_m, rows_per_item, buffers.tokens.dtype == torch.bfloat16)
-    fn(y, masked_m, dst_signals, routing.src_rank, routing.src_token, routing.weight, buffers.peer_tokens,
-       buffers.peer_flags, buffers.flags, buffers.state, err, buffers.max_tokens, buffers.rank,
-       layout.n_tiles, max_polls, num_sms)
+    fn = get_ep_combine(layout.block_m, rows_per_item)
+    fn(y, masked_m, dst_signals, routing.src_rank, routing.src_token, routing.src_slot, routing.weight,
+       buffers.peer_recv, buffers.peer_flags, buffers.flags, buffers.state, err, buffers.max_tokens,
+       buffers.top_k, buffers.rank, layout.n_tiles, max_polls, num_sms)
     return err
+
+
+def _check_polls(max_polls) -> None:
+    if not isinstance(max_polls, int) or isinstance(max_polls, bool) or not 1 <= max_polls < 2**31:
+        raise ValueError(f"max_polls must be an int in [1, 2**31), got {max_polls!r}")
+
+
+def complete(buffers: TokenBuffers, err: torch.Tensor, *, max_polls: int = DEFAULT_MAX_POLLS) -> torch.Tensor:
+    """The completion step alone, on the current stream, after a down GEMM
+    that stored its rows into the peers itself (``Combine.peers``): tells
+    every peer this rank is done and waits, bounded, for every peer. Sets
+    ``err`` as ``combine_to_owners`` does (bits 4 and 8)."""
+    _check_polls(max_polls)
+    if not isinstance(err, torch.Tensor) or err.device.type != "cuda":
+        raise ValueError("err must be a [1] int32 CUDA tensor")
+    check_buffers(buffers, buffers.hidden, err.device)
+    _check("err", err, torch.int32, (1,), err.device)
+    get_ep_complete()(buffers.peer_flags, buffers.flags, buffers.state, err, buffers.rank, max_polls)
+    return err
+
+
+def finalize(buffers: TokenBuffers, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``buffers.tokens[:T]`` = the sum over each token's routed slots
+    (``topk_ids >= 0``) of its received rows, in slot order, accumulated in
+    fp32 (deterministic); unrouted slots, which nobody wrote, count as 0.
+    On the current stream, after the completion step; returns that view."""
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be a [T, k] tensor, got {getattr(topk_ids, 'shape', type(topk_ids))}")
+    t, k = topk_ids.shape
+    if k != buffers.top_k or t > buffers.max_tokens:
+        raise ValueError(f"topk_ids must be [T <= {buffers.max_tokens}, k = {buffers.top_k}], got {(t, k)}")
+    if topk_ids.device != buffers.recv.device:
+        raise ValueError(f"topk_ids is on {topk_ids.device}, the buffers on {buffers.recv.device}")
+    rows = torch.where((topk_ids >= 0).unsqueeze(-1), buffers.recv[:t], 0)  # never-written slots may hold NaN
+    out = buffers.tokens[:t]
+    torch.sum(rows, dim=1, dtype=out.dtype, out=out)
+    return out

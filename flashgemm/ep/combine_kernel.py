@@ -2,15 +2,18 @@
 
 For each valid row r of local expert e, once the down GEMM's m-block counter
 says the row is final:
-``tokens[src_rank[e, r]][src_token[e, r]] += weight[e, r] * y[e, r]``, where
-``tokens[p]`` is rank p's token buffer in symmetric memory, reached through a
-table of the W peers' buffer addresses (NVLink peer-to-peer). Then every rank
-tells every peer it is done, and waits until every peer told it the same: on
-return, this rank's token buffer holds its tokens' complete sums.
+``recv[src_rank[e, r]][src_token[e, r], src_slot[e, r]] = bf16(weight[e, r] * y[e, r])``,
+where ``recv[p]`` is rank p's receive buffer in symmetric memory, reached
+through a table of the W peers' buffer addresses (NVLink peer-to-peer), and
+written with plain 16-byte stores: every (token, slot) has one writer, so no
+remote atomics are needed. Then every rank tells every peer it is done, and
+waits until every peer told it the same: on return, this rank's receive
+buffer holds every row of its tokens (``combine.finalize`` sums them).
 
 Error word bits: 1 a wait on the GEMM's counter timed out (that item
-skipped), 2 a routing entry outside [0, W) x [0, T) (that row skipped), 4 a
-peer did not report completion in time, 8 a peer reported an error of its own.
+skipped), 2 a routing entry outside [0, W) x [0, T) x [0, k) (that row
+skipped), 4 a peer did not report completion in time, 8 a peer reported an
+error of its own.
 """
 
 from __future__ import annotations
@@ -57,8 +60,9 @@ def peer_completion(
     if lane == 0:
         mState[0] = Int32(0)  # ready for the next launch (stream-ordered after this one)
         mState[1] = epoch
-    # the reductions of every CTA (ordered before this by the done counter)
-    # are performed system-wide before any peer can see the release
+    # the row writes of every CTA (ordered before this by the done counter, or
+    # by the kernel boundary after a fused GEMM) are performed system-wide
+    # before any peer can see the release
     cute.arch.fence_acq_rel_sys()
     for p in cutlass.range(lane, world, 32, unroll=1):
         flags = cute.make_ptr(Int32, mPeerFlags[p], cute.AddressSpace.gmem, assumed_align=4)
@@ -91,20 +95,18 @@ class EpCombineSm90:
     m-block's counter (one load per warp), so each lane's reads of the rows
     are ordered after the GEMM's release without a barrier. The warp then
     walks the item's rows flattened: each lane loads ``ROUNDS`` 16-byte bf16
-    chunks, scales them by their row's weight in fp32, and reduce-adds them
-    into the owner's token row with 16-byte ``red.relaxed.sys`` vector
-    reductions (two ``.v4.f32``, or one ``.v4.bf16x2`` for bf16 sums).
-    No shared-memory pipeline: a chunk's loads and its reductions are the
+    chunks, scales them by their row's weight in fp32, rounds them to bf16
+    and stores them into the owner's (token, slot) row with one 16-byte
+    store each (over NVLink for a peer). No shared-memory pipeline: a chunk's loads and its reductions are the
     whole path. Completion: each CTA fences at system scope and counts
     itself done (GPU-scope acq_rel add); the last CTA's warp 0 runs
     ``peer_completion``.
     """
 
-    def __init__(self, block_m: int, rows_per_item: int, bf16_sums: bool):
+    def __init__(self, block_m: int, rows_per_item: int):
         check_rows_per_item(rows_per_item, block_m)
         self.block_m = block_m
         self.rows_per_item = rows_per_item
-        self.sum_dtype = cutlass.BFloat16 if bf16_sums else cutlass.Float32
 
     @cute.jit
     def __call__(
@@ -114,13 +116,15 @@ class EpCombineSm90:
         mSignals: cute.Tensor,  # "m_block" counters of the GEMM
         mSrcRank: cute.Tensor,  # (E, max_m) int32
         mSrcToken: cute.Tensor,  # (E, max_m) int32
+        mSrcSlot: cute.Tensor,  # (E, max_m) int32
         mWeight: cute.Tensor,  # (E, max_m) float32
-        mPeerTokens: cute.Tensor,  # (W,) int64: each rank's token buffer (T, N)
+        mPeerRecv: cute.Tensor,  # (W,) int64: each rank's receive buffer (T, k, N) bf16
         mPeerFlags: cute.Tensor,  # (W,) int64: each rank's flags block
         mFlags: cute.Tensor,  # (FLAG_WORDS,) int32: this rank's flags block
         mState: cute.Tensor,  # (STATE_WORDS,) int32, local
         mErr: cute.Tensor,  # (1,) int32
         num_tokens: Int32,
+        top_k: Int32,
         rank: Int32,
         n_tiles: Int32,
         max_polls: Int32,
@@ -128,8 +132,8 @@ class EpCombineSm90:
         stream,
     ):
         self.kernel(
-            mOut, mMaskedM, mSignals, mSrcRank, mSrcToken, mWeight, mPeerTokens, mPeerFlags, mFlags,
-            mState, mErr, num_tokens, rank, n_tiles, max_polls,
+            mOut, mMaskedM, mSignals, mSrcRank, mSrcToken, mSrcSlot, mWeight, mPeerRecv, mPeerFlags, mFlags,
+            mState, mErr, num_tokens, top_k, rank, n_tiles, max_polls,
         ).launch(grid=[num_ctas, 1, 1], block=[COMBINE_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
@@ -140,13 +144,15 @@ class EpCombineSm90:
         mSignals: cute.Tensor,
         mSrcRank: cute.Tensor,
         mSrcToken: cute.Tensor,
+        mSrcSlot: cute.Tensor,
         mWeight: cute.Tensor,
-        mPeerTokens: cute.Tensor,
+        mPeerRecv: cute.Tensor,
         mPeerFlags: cute.Tensor,
         mFlags: cute.Tensor,
         mState: cute.Tensor,
         mErr: cute.Tensor,
         num_tokens: Int32,
+        top_k: Int32,
         rank: Int32,
         n_tiles: Int32,
         max_polls: Int32,
@@ -159,9 +165,8 @@ class EpCombineSm90:
         num_experts = cute.size(mOut, mode=[0])
         max_m = cute.size(mOut, mode=[1])
         n = cute.size(mOut, mode=[2])
-        world = cute.size(mPeerTokens, mode=[0])
+        world = cute.size(mPeerRecv, mode=[0])
         num_m_slots = (max_m + self.block_m - 1) // self.block_m
-        bf16_sums = cutlass.const_expr(self.sum_dtype == cutlass.BFloat16)
 
         smem = cutlass.memory.SmemAllocator()
         sLast = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
@@ -192,32 +197,23 @@ class EpCombineSm90:
                             r = i // n
                             owner = Int32(mSrcRank[e, row0 + r])
                             token = Int32(mSrcToken[e, row0 + r])
-                            if (owner >= 0) & (owner < world) & (token >= 0) & (token < num_tokens):
+                            slot = Int32(mSrcSlot[e, row0 + r])
+                            if (owner >= 0) & (owner < world) & (token >= 0) & (token < num_tokens) \
+                                    & (slot >= 0) & (slot < top_k):
                                 vals.store(frag[None, j].load().to(cutlass.Float32) * mWeight[e, row0 + r])
-                                offset = Int64(token) * Int64(n) + Int64(i - r * n)
-                                if cutlass.const_expr(bf16_sums):
-                                    dst = cute.make_ptr(cutlass.BFloat16, mPeerTokens[owner],
-                                                        cute.AddressSpace.gmem, assumed_align=16)
-                                    piece.store(vals.load().to(cutlass.BFloat16))
-                                    words = cute.recast_tensor(piece, Int32)  # 4 bf16 pairs
-                                    # .sys: other GPUs reduce into the same token row, and an
-                                    # atomic is atomic only against threads within its scope
-                                    cute.arch.red(dst + offset, words.load().ir_value(), op="add",
-                                                  dtype="bf16x2", sem="relaxed", scope="sys")
-                                else:
-                                    dst = cute.make_ptr(cutlass.Float32, mPeerTokens[owner],
-                                                        cute.AddressSpace.gmem, assumed_align=16)
-                                    for h in cutlass.range_constexpr(2):  # two 16-byte reductions
-                                        quad = cute.local_tile(vals, (4,), (h,)).load()
-                                        # .sys: as above, peers' reductions meet in one row
-                                        cute.arch.red(dst + offset + 4 * h, quad.ir_value(), op="add",
-                                                      dtype="f32", sem="relaxed", scope="sys")
+                                piece.store(vals.load().to(cutlass.BFloat16))
+                                words = cute.recast_tensor(piece, Int32)  # 8 bf16 as 4 words
+                                offset = (Int64(token) * Int64(top_k) + Int64(slot)) * Int64(n) + Int64(i - r * n)
+                                dst = cute.make_ptr(cutlass.BFloat16, mPeerRecv[owner], cute.AddressSpace.gmem,
+                                                    assumed_align=16)
+                                # one writer per (token, slot): a plain store, no remote atomic
+                                cute.arch.store(dst + offset, words.load().ir_value())
                             else:
                                 cute.arch.atomic_or(mErr.iterator, Int32(ERR_BAD_ROUTE))
             sched.advance()
             work = sched.work()
 
-        # every thread's reductions are performed system-wide before its CTA counts as done
+        # every thread's stores are performed system-wide before its CTA counts as done
         cute.arch.fence_acq_rel_sys()
         cute.arch.sync_threads()
         if tidx == 0:
@@ -229,3 +225,22 @@ class EpCombineSm90:
         if (sLast[0] != 0) & (warp_idx == 0):
             peer_completion(mPeerFlags, mFlags, mState, mErr, rank, world, max_polls)
 
+
+
+class EpCompleteSm90:
+    """The completion step alone (one warp, ``peer_completion``): after a
+    down GEMM whose fused epilogue stored its rows into the peers' receive
+    buffers (``Epilogue.COMBINE_PEERS``), launched after it on the same
+    stream, so the kernel boundary orders the GEMM's stores before the
+    release."""
+
+    @cute.jit
+    def __call__(self, mPeerFlags: cute.Tensor, mFlags: cute.Tensor, mState: cute.Tensor, mErr: cute.Tensor,
+                 rank: Int32, max_polls: Int32, stream):
+        self.kernel(mPeerFlags, mFlags, mState, mErr, rank, max_polls).launch(
+            grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mPeerFlags: cute.Tensor, mFlags: cute.Tensor, mState: cute.Tensor, mErr: cute.Tensor,
+               rank: Int32, max_polls: Int32):
+        peer_completion(mPeerFlags, mFlags, mState, mErr, rank, cute.size(mPeerFlags, mode=[0]), max_polls)

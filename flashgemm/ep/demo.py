@@ -3,13 +3,16 @@ MoE layer (256 experts, top-8, H 7168, I 2048, block-scaled fp8) with N-way
 expert parallelism.
 
 Each rank: dispatch (baseline ``all_to_all_single``), the local experts'
-gate_up + SwiGLU (``flashgemm.moe`` kernels), the down GEMM with completion
-signals, and the signalled combine into the owners' symmetric-memory token
-buffers, overlapped on another stream; also the sequential baseline (the
-whole down GEMM, then the combine). The tokens are checked against the
-all-gather reference; each part's median time (CUDA events, after warm-up)
-and the whole layer's are printed by rank 0, with the overlapped / sequential
-ratio (the bar is >= 1.2x on 2+ GPUs).
+gate_up + SwiGLU (``flashgemm.moe`` kernels), then the down GEMM and the
+combine into the owners' symmetric-memory receive buffers in each of three
+forms: fused (the GEMM's epilogue stores each row into its owner), signalled
+(a combine kernel on another stream polls the GEMM's completion signals) and
+sequential (the whole GEMM, then the combine); then each rank sums its
+tokens' k rows. The tokens are checked against the all-gather reference
+(every form); each part's median time (CUDA events, after warm-up) and the
+whole layer's are printed by rank 0, with each overlapped form's speed-up
+over the sequential layer. ``--fail-rank R`` makes rank R skip its combine
+once, to show that every rank then raises instead of hanging.
 
 Run as a plain ``python -m flashgemm.ep.demo`` it makes a world of one
 (symmetric memory with one rank: the combine writes into this GPU's own
@@ -49,6 +52,9 @@ def _args(argv):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--layers", type=int, default=0, help="then run this many back-to-back layers (hang test)")
+    p.add_argument("--fail-rank", type=int, default=None,
+                   help="rank that skips its combine in one extra layer: every rank must raise, none hang")
+    p.add_argument("--max-polls", type=int, default=None, help="bound of each wait (default: the combine's)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -65,9 +71,9 @@ def _no_gpu(args) -> int:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from .combine import build_ep_combine
 
-    ptx = build_ep_combine(64, 4, False, "sm_90a", keep_ptx=True).__ptx__
+    ptx = build_ep_combine(64, 4, "sm_90a", keep_ptx=True).__ptx__
     feats = [name for name, pat in (("ld.acquire.gpu poll", "ld.acquire.gpu"),
-                                    ("red.relaxed.sys.v4.f32 rows", "red.relaxed.sys.global.add.v4.f32"),
+                                    ("st.global.v4 rows", "st.global.v4.b32"),
                                     ("red.release.sys completion", "red.release.sys"),
                                     ("ld.acquire.sys peer wait", "ld.acquire.sys")) if pat in ptx]
     print(f"  compiled the signalled EP combine for sm_90a: {', '.join(feats)}; no multimem: "
@@ -140,10 +146,7 @@ def _weights(args, e_local, rank, device):
 def _median_us(fn, args):
     for _ in range(args.warmup):
         fn()
-    times = []
-    for _ in range(args.iters):
-        t = fn()
-        times.append(t)
+    times = [fn() for _ in range(args.iters)]
     return {k: statistics.median(t[k] for t in times) for k in times[0]}
 
 
@@ -155,7 +158,7 @@ def _timed_layer(layer, x, x_scale, ids, w, expected_m, form):
     ev[1].record()
     h, hs = layer.up(d, expected_m)
     ev[2].record()
-    _, err = layer.down_and_combine(d, h, hs, form=form, expected_m=expected_m)
+    _, err = layer.down_and_combine(d, h, hs, ids, form=form, expected_m=expected_m)
     ev[3].record()
     ev[3].synchronize()
     from .combine import check_error
@@ -182,13 +185,32 @@ def _down_alone_us(layer, d, h, hs, expected_m, args):
     return _median_us(run, args)["down"]
 
 
+def _failing_layer(layer, x, x_scale, ids, w, expected_m, rank, fail_rank) -> str:
+    """One layer in which ``fail_rank`` skips its down GEMM and combine (as a
+    rank that died there would): what this rank then sees."""
+    from .combine import check_error
+    from .layer import CombineForm
+
+    d = layer.dispatch(x, ids, w, x_scale=x_scale)
+    h, hs = layer.up(d, expected_m)
+    if rank == fail_rank:
+        return f"rank {rank}: skipped its combine on purpose"
+    _, err = layer.down_and_combine(d, h, hs, ids, form=CombineForm.FUSED, expected_m=expected_m)
+    torch.cuda.synchronize()
+    try:
+        check_error(err, rank)
+    except RuntimeError as raised:
+        return f"raised RuntimeError: {raised}"
+    return f"rank {rank}: NO ERROR RAISED"
+
+
 def _run(args) -> int:
     import torch.distributed as dist
 
     from ..quant import quantize_fp8_per_token
     from ..reference import similarity
     from .buffers import alloc_token_buffers
-    from .combine import check_error
+    from .combine import DEFAULT_MAX_POLLS, check_error
     from .layer import CombineForm, EpMoELayer
     from .reference import ep_layer_ref
 
@@ -204,9 +226,10 @@ def _run(args) -> int:
                f"({', '.join(f'{k}={v}' for k, v in multicast_off_env().items())}); "
                f"dispatch: all_to_all_single baseline")
     experts = _weights(args, e_local, rank, device)
-    buffers = alloc_token_buffers(args.tokens, args.hidden, device=device)
+    buffers = alloc_token_buffers(args.tokens, args.hidden, args.top_k, device=device)
+    max_polls = DEFAULT_MAX_POLLS if args.max_polls is None else args.max_polls
     layer = EpMoELayer(experts, args.experts, buffers, combine_sms=args.combine_sms,
-                       rows_per_item=args.rows_per_item)
+                       rows_per_item=args.rows_per_item, max_polls=max_polls)
     g = torch.Generator(device=device).manual_seed(args.seed + 17 * (rank + 1))
     x = torch.randn(args.tokens, args.hidden, generator=g, device=device).to(torch.bfloat16)
     ids = torch.topk(torch.rand(args.tokens, args.experts, generator=g, device=device), args.top_k).indices
@@ -215,22 +238,33 @@ def _run(args) -> int:
     if not args.bf16:
         x, x_scale = quantize_fp8_per_token(x, m_major=False)
     expected_m = max(1, args.tokens * world * args.top_k // args.experts)
+    forms = (CombineForm.FUSED, CombineForm.SIGNALLED, CombineForm.SEQUENTIAL)
 
-    out, err = layer(x, ids, w, x_scale=x_scale, expected_m=expected_m)
-    torch.cuda.synchronize()
-    check_error(err, rank)
-    got = out.clone()
     ref = ep_layer_ref(experts, x, ids, w, args.experts, x_scale=x_scale, rank=rank, world=world)
-    diff = similarity(got, ref)
-    diffs = torch.tensor([diff], device=device, dtype=torch.float64)
+    diffs = []
+    for form in forms:
+        out, err = layer(x, ids, w, x_scale=x_scale, expected_m=expected_m, form=form)
+        torch.cuda.synchronize()
+        check_error(err, rank)
+        diffs.append(similarity(out.clone(), ref))
+    diffs = torch.tensor(diffs, device=device, dtype=torch.float64)
     if world > 1:
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
-    ok = float(diffs) < SIMILARITY_TOL
-    _say(rank, f"  tokens vs all-gather reference: worst similarity diff over ranks {float(diffs):.1e} "
-               f"-> {'OK' if ok else 'FAILED'}")
+    ok = bool((diffs < SIMILARITY_TOL).all())
+    _say(rank, "  tokens vs all-gather reference, worst similarity diff over ranks: "
+               + ", ".join(f"{f.value} {float(v):.1e}" for f, v in zip(forms, diffs))
+               + f" -> {'OK' if ok else 'FAILED'}")
 
-    over = _median_us(lambda: _timed_layer(layer, x, x_scale, ids, w, expected_m, CombineForm.SIGNALLED), args)
-    seq = _median_us(lambda: _timed_layer(layer, x, x_scale, ids, w, expected_m, CombineForm.SEQUENTIAL), args)
+    times = {}
+    for _ in range(args.warmup):
+        for form in forms:
+            _timed_layer(layer, x, x_scale, ids, w, expected_m, form)
+    runs = {form: [] for form in forms}
+    for _ in range(args.iters):  # the forms interleaved, so clocks and power state are shared
+        for form in forms:
+            runs[form].append(_timed_layer(layer, x, x_scale, ids, w, expected_m, form))
+    for form in forms:
+        times[form] = {k: statistics.median(t[k] for t in runs[form]) for k in runs[form][0]}
     d = layer.dispatch(x, ids, w, x_scale=x_scale)
     h, hs = layer.up(d, expected_m)
     down = _down_alone_us(layer, d, h, hs, expected_m, args)
@@ -239,40 +273,51 @@ def _run(args) -> int:
     w2_bytes = active * experts.w2[0].numel() * experts.w2.element_size()
     down_bytes = w2_bytes + rows * (experts.intermediate * h.element_size() + experts.hidden * 2)
     remote = int((d.routing.src_rank[d.routing.src_rank >= 0] != rank).sum())
-    sum_bytes = buffers.tokens.element_size() * experts.hidden
-    stats = torch.tensor([over[k] for k in ("dispatch", "up", "down+combine", "layer")]
-                         + [seq["down+combine"], seq["layer"], down], device=device, dtype=torch.float64)
+    row_bytes = 2 * experts.hidden  # a weighted bf16 row into the receive buffer
+    keys = ("dispatch", "up", "down+combine", "layer")
+    stats = torch.tensor([times[f][k] for f in forms for k in keys] + [down], device=device, dtype=torch.float64)
     if world > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     s = stats.tolist()
+    t = {f: dict(zip(keys, s[4 * i:4 * i + 4])) for i, f in enumerate(forms)}
+    fused, sig, seq = (t[f] for f in forms)
     _say(rank, f"  (rank 0's counts: {rows} rows in {active} active experts, {remote} rows to other ranks; "
-               f"times: median of {args.iters}, the slowest rank)")
-    _say(rank, f"    dispatch (all_to_all_single)        {s[0]:8.1f} us")
-    _say(rank, f"    gate_up GEMM + SwiGLU               {s[1]:8.1f} us")
-    _say(rank, f"    down GEMM alone                     {s[6]:8.1f} us   {down_bytes / s[6] / 1e3:6.0f} GB/s "
-               f"({down_bytes / s[6] / 1e3 / COPY_GBPS:4.0%} of copy)")
-    combine_us = max(s[4] - s[6], 1e-3)
-    _say(rank, f"    down GEMM, then combine             {s[4]:8.1f} us   (combine ~{combine_us:.1f} us: "
-               f"{rows * sum_bytes / combine_us / 1e3:.0f} GB/s of reductions, "
-               f"{remote * sum_bytes / combine_us / 1e3:.0f} GB/s of them to peers over NVLink, "
-               f"against ~{NVLINK_GBPS:.0f} GB/s per direction)")
-    _say(rank, f"    down GEMM + combine, overlapped     {s[2]:8.1f} us   {s[4] / s[2]:.2f}x the sequential")
-    _say(rank, f"    whole layer, overlapped             {s[3]:8.1f} us")
-    _say(rank, f"    whole layer, sequential             {s[5]:8.1f} us   overlapped is {s[5] / s[3]:.2f}x faster")
+               f"times: median of {args.iters}, forms interleaved, the slowest rank)")
+    _say(rank, f"    dispatch (all_to_all_single)              {seq['dispatch']:8.1f} us")
+    _say(rank, f"    gate_up GEMM + SwiGLU                     {seq['up']:8.1f} us")
+    _say(rank, f"    down GEMM alone                           {s[-1]:8.1f} us   {down_bytes / s[-1] / 1e3:6.0f} GB/s "
+               f"({down_bytes / s[-1] / 1e3 / COPY_GBPS:4.0%} of copy)")
+    combine_us = max(seq["down+combine"] - s[-1], 1e-3)
+    _say(rank, f"    down GEMM, then combine + sum (sequential) {seq['down+combine']:7.1f} us   (combine + sum "
+               f"~{combine_us:.1f} us: {remote * row_bytes / 1e6:.1f} MB to peers = "
+               f"{remote * row_bytes / combine_us / 1e3:.0f} GB/s, against ~{NVLINK_GBPS:.0f} GB/s per direction)")
+    for name, part in (("fused into the GEMM epilogue", fused), ("signalled, overlapped", sig)):
+        _say(rank, f"    down GEMM + combine + sum, {name:28s} {part['down+combine']:8.1f} us   "
+                   f"{seq['down+combine'] / part['down+combine']:.2f}x the sequential")
+    for name, part in (("sequential", seq), ("fused", fused), ("signalled", sig)):
+        _say(rank, f"    whole layer, {name:10s}                   {part['layer']:8.1f} us   "
+                   f"{seq['layer'] / part['layer']:.2f}x the sequential")
     if world == 1:
-        _say(rank, "  world size 1: the combine reduced into this GPU's own buffer; NVLink bounds and the 1.2x "
+        _say(rank, "  world size 1: the combine wrote into this GPU's own buffer; NVLink bounds and the 1.2x "
                    "bar need 2+ GPUs")
 
     for i in range(args.layers):
-        out, err = layer(x, ids, w, x_scale=x_scale, expected_m=expected_m)
+        out, err = layer(x, ids, w, x_scale=x_scale, expected_m=expected_m, form=forms[i % 2])
         if i % 100 == 99 or i == args.layers - 1:
             torch.cuda.synchronize()
             check_error(err, rank)
     if args.layers:
         final = similarity(out.clone(), ref)
-        _say(rank, f"  {args.layers} back-to-back layers: no hang, no error word; last layer's similarity diff "
-                   f"{final:.1e}")
+        _say(rank, f"  {args.layers} back-to-back layers (fused and signalled alternating): no hang, no error "
+                   f"word; last layer's similarity diff {final:.1e}")
         ok = ok and final < SIMILARITY_TOL
+    if args.fail_rank is not None:
+        seen = _failing_layer(layer, x, x_scale, ids, w, expected_m, rank, args.fail_rank)
+        print(f"  failure drill (rank {args.fail_rank} skips its combine): rank {rank}: {seen}", flush=True)
+        ok = ok and ("raised RuntimeError" in seen or rank == args.fail_rank)
+        dist.barrier()
+        dist.destroy_process_group()  # the flags no longer agree: these buffers are not reused
+        return 0 if ok else 1
     buffers.barrier(timeout_ms=60_000)  # the engine's signal-pad barrier (no multicast), once at the end
     torch.cuda.synchronize()
     dist.destroy_process_group()

@@ -35,7 +35,7 @@ from .plan import (
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128
-_META = 4  # int32 words per copy: local expert, pos, source token, weight bits
+_META = 5  # int32 words per copy: local expert, pos, source token, top-k slot, weight bits
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # holds tensors: identity equality
@@ -46,7 +46,7 @@ class Dispatched:
     ceil(H/128)] float32, M-contiguous when max_m % 4 == 0, the layout the
     GEMM loads in place); rows >= masked_m[e] are not written. masked_m:
     [E_local] int32 on the device. routing: the combine's (src rank, src
-    token, weight) per row."""
+    token, top-k slot, weight) per row."""
 
     x: torch.Tensor
     x_scale: Optional[torch.Tensor]
@@ -143,7 +143,8 @@ def dispatch(
     recv_splits = receive.split_sizes.tolist()
 
     meta = torch.stack([send.local_expert.to(torch.int32), send.pos.to(torch.int32),
-                        send.token.to(torch.int32), send.weight.view(torch.int32)], dim=1)
+                        send.token.to(torch.int32), send.slot.to(torch.int32), send.weight.view(torch.int32)],
+                       dim=1)
     rows_x = x.view(torch.uint8)[send.token] if x.dtype == FP8 else x[send.token]
     rows_s = x_scale[send.token] if x_scale is not None else None
     if world > 1:
@@ -162,5 +163,5 @@ def dispatch(
     if rows_s is not None:
         scales = _masked_scales(e_local, max_m, rows_s.shape[1], device)
         scales[torch.div(rows, max_m, rounding_mode="floor"), rows % max_m] = rows_s
-    routing = make_combine_routing(receive, rows, src_rank, meta[:, 2], meta[:, 3].view(torch.float32))
+    routing = make_combine_routing(receive, rows, src_rank, meta[:, 2], meta[:, 3], meta[:, 4].view(torch.float32))
     return Dispatched(layout, scales, receive.masked_m.to(device), routing, send, receive)

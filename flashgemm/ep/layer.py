@@ -2,21 +2,22 @@
 
 ``EpMoELayer(experts, num_experts, buffers)(x, topk_ids, topk_weights)``:
 
-1. zero this rank's token buffer (peers reduce into it);
-2. ``dispatch`` (baseline: ``all_to_all_single``) into the masked layout;
-3. gate_up GEMM and SwiGLU (+ 1x128 fp8 quantization for an fp8 layer) on
+1. ``dispatch`` (baseline: ``all_to_all_single``) into the masked layout;
+2. gate_up GEMM and SwiGLU (+ 1x128 fp8 quantization for an fp8 layer) on
    every SM, as ``flashgemm.moe.MaskedExperts`` does;
-4. the down GEMM with completion signals and the signalled combine
-   (``combine.combine_to_owners``), in one of the forms of ``CombineForm``;
-   the combine ends with every peer's completion, so on return
-   ``buffers.tokens[:T]`` holds this rank's outputs (float32 or bf16 sums).
+3. the down GEMM and the combine, in one of the forms of ``CombineForm``:
+   each weighted row lands in its owner's receive buffer at (token, slot),
+   and the step ends with every peer's completion;
+4. ``combine.finalize``: each token's k rows summed in slot order (fp32
+   accumulation, deterministic), so on return ``buffers.tokens[:T]`` holds
+   this rank's outputs (float32 or bf16).
 
 The dispatch reads its split sizes on the host, so a whole layer is not
-CUDA-graph capturable; steps 3 and 4 are (no host sync).
+CUDA-graph capturable; steps 2 to 4 are (no host sync).
 
-Ordering of the zeroing: a peer's combine starts after its dispatch, which
-needs this rank's sends, which follow this rank's zeroing on its stream; so
-no peer reduces into the buffer before it is zeroed.
+Reuse of the receive buffer: a peer writes into it in layer i+1 only after
+its dispatch of layer i+1, which needs this rank's sends, which follow this
+rank's finalize of layer i on its stream.
 """
 
 from __future__ import annotations
@@ -28,34 +29,27 @@ from typing import Optional
 import torch
 
 from ..api import grouped_gemm_nt_masked, signal_layout
+from ..routing import Combine
 from ..jit.arch import device_facts
 from ..moe.activation import silu_mul
 from ..moe.layer import MaskedExperts
 from ..signals import alloc_signals
 from .buffers import TokenBuffers
-from .combine import DEFAULT_MAX_POLLS, combine_to_owners
+from .combine import DEFAULT_MAX_POLLS, combine_to_owners, complete, finalize
 from .dispatch import Dispatched, dispatch
 
-FUSED_NOT_IMPLEMENTED = (
-    "CombineForm.FUSED (form a: the down GEMM's fused-combine epilogue writing each weighted row "
-    "straight into the owner rank's token buffer) needs a kernel change in flashgemm/sm90/epilogue.py "
-    "(a Combine target with a peer pointer table and system-scope reductions) that is not made yet; "
-    "use CombineForm.SIGNALLED or CombineForm.SEQUENTIAL"
-)
 DEFAULT_COMBINE_SMS = 20  # the reference combine's share in docs/signals.md's measurements
 
 
 class CombineForm(enum.Enum):
+    FUSED = "fused"  # form a: the GEMM's epilogue stores each row into its owner (Epilogue.COMBINE_PEERS)
     SIGNALLED = "signalled"  # form b: combine on a side stream, polling the GEMM's signals
     SEQUENTIAL = "sequential"  # the baseline: the whole down GEMM, then the combine
-    FUSED = "fused"  # form a: the GEMM's epilogue writes into the peers (not built)
 
 
 def check_form(form) -> CombineForm:
     if not isinstance(form, CombineForm):
         raise TypeError(f"form must be a CombineForm, got {type(form).__name__}")
-    if form is CombineForm.FUSED:
-        raise NotImplementedError(FUSED_NOT_IMPLEMENTED)
     return form
 
 
@@ -100,7 +94,6 @@ class EpMoELayer:
 
     # the parts, each on the current stream (the demo times them one by one)
     def dispatch(self, x, topk_ids, topk_weights, *, x_scale=None, max_m=None) -> Dispatched:
-        self.buffers.tokens.zero_()
         return dispatch(x, topk_ids, topk_weights, self.num_experts, x_scale=x_scale,
                         max_tokens_per_rank=self.buffers.max_tokens, max_m=max_m, group=self.group)
 
@@ -113,20 +106,29 @@ class EpMoELayer:
             return silu_mul(gate_up, d.masked_m, fp8=True)
         return silu_mul(gate_up, d.masked_m, fp8=False), None
 
-    def down_and_combine(self, d: Dispatched, h, h_scale, *, form: CombineForm = CombineForm.SIGNALLED,
+    def down_and_combine(self, d: Dispatched, h, h_scale, topk_ids, *, form: CombineForm = CombineForm.FUSED,
                          expected_m: Optional[int] = None, err: Optional[torch.Tensor] = None):
-        """The down GEMM and the combine in ``form``; returns (y, err)."""
+        """The down GEMM and the combine in ``form``, then ``finalize``;
+        returns (tokens[:T], err)."""
         check_form(form)
-        ex = self.experts
+        ex, buffers = self.experts, self.buffers
         e_count, max_m, _ = h.shape
+        err = torch.zeros(1, dtype=torch.int32, device=self.device) if err is None else err
+        if form is CombineForm.FUSED:
+            rows = buffers.rows_per_rank
+            target = Combine(d.routing.destinations(rows, buffers.top_k), d.routing.weight,
+                             buffers.recv.view(rows, ex.hidden), err, peers=buffers.peer_recv)
+            grouped_gemm_nt_masked(h, ex.w2, None, d.masked_m, a_scale=h_scale, b_scale=ex.w2_scale,
+                                   expected_m=expected_m, combine=target)
+            complete(buffers, err, max_polls=self.max_polls)
+            return finalize(buffers, topk_ids), err
         overlap = form is CombineForm.SIGNALLED
         gemm_sms = self.gemm_sms if overlap else None
         layout = signal_layout(e_count, max_m, ex.hidden, ex.intermediate, expected_m=expected_m,
                                num_sms=gemm_sms, fp8=ex.fp8, device=self.device)
         signals = alloc_signals(layout, self.device)
         y = torch.empty(e_count, max_m, ex.hidden, dtype=torch.bfloat16, device=self.device)
-        err = torch.zeros(1, dtype=torch.int32, device=self.device) if err is None else err
-        combine = functools.partial(combine_to_owners, y, d.masked_m, signals, layout, d.routing, self.buffers,
+        combine = functools.partial(combine_to_owners, y, d.masked_m, signals, layout, d.routing, buffers,
                                     max_polls=self.max_polls, rows_per_item=self.rows_per_item, err=err)
         gemm = functools.partial(grouped_gemm_nt_masked, h, ex.w2, y, d.masked_m, a_scale=h_scale,
                                  b_scale=ex.w2_scale, expected_m=expected_m, num_sms=gemm_sms,
@@ -134,7 +136,7 @@ class EpMoELayer:
         if not overlap:
             gemm()
             combine(num_sms=self.sm_count)
-            return y, err
+            return finalize(buffers, topk_ids), err
         main = torch.cuda.current_stream(self.device)
         side = _side_stream(self.device.index)
         ready = main.record_event()
@@ -145,12 +147,14 @@ class EpMoELayer:
         with torch.cuda.stream(side):
             combine(num_sms=self.combine_sms)
         main.wait_stream(side)
-        for t in (y, signals, err, d.masked_m, d.routing.src_rank, d.routing.src_token, d.routing.weight):
+        routing = d.routing
+        for t in (y, signals, err, d.masked_m, routing.src_rank, routing.src_token, routing.src_slot,
+                  routing.weight):
             t.record_stream(side)
-        return y, err
+        return finalize(buffers, topk_ids), err
 
     def __call__(self, x, topk_ids, topk_weights, *, x_scale=None, expected_m: Optional[int] = None,
-                 form: CombineForm = CombineForm.SIGNALLED):
+                 form: CombineForm = CombineForm.FUSED):
         """x: [T, H] this rank's tokens (bf16; an fp8 layer quantizes them
         1x128 before the dispatch, or takes fp8 x with x_scale). Returns
         (out, err): out = ``buffers.tokens[:T]`` (valid until the next call),
@@ -162,5 +166,4 @@ class EpMoELayer:
             x, x_scale = quantize_fp8_per_token(x, m_major=False)
         d = self.dispatch(x, topk_ids, topk_weights, x_scale=x_scale)
         h, h_scale = self.up(d, expected_m)
-        _, err = self.down_and_combine(d, h, h_scale, form=form, expected_m=expected_m)
-        return self.buffers.tokens[: x.shape[0]], err
+        return self.down_and_combine(d, h, h_scale, topk_ids, form=form, expected_m=expected_m)

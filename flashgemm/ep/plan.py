@@ -207,26 +207,38 @@ def make_receive_plan(recv_counts: torch.Tensor, placement: Placement, max_m: in
 class CombineRouting:
     """Where each row of the masked layout goes back to, [E_local, max_m] each:
     src_rank (int32, -1 for rows >= masked_m), src_token (int32, the token's
-    index on its owner rank, -1 likewise), weight (float32, 0 likewise).
-    ``token_index``/``weight`` of ``flashgemm.Combine`` at world size 1."""
+    index on its owner rank, -1 likewise), src_slot (int32, the copy's top-k
+    slot there, -1 likewise), weight (float32, 0 likewise). The combine
+    writes a row to ``(src_token, src_slot)`` of its owner's receive buffer."""
 
     src_rank: torch.Tensor
     src_token: torch.Tensor
+    src_slot: torch.Tensor
     weight: torch.Tensor
+
+    def destinations(self, rows_per_rank: int, top_k: int) -> torch.Tensor:
+        """[E_local, max_m] int32: each row's flat destination ``src_rank *
+        rows_per_rank + src_token * top_k + src_slot`` (-1 for rows >= m_e),
+        the ``token_index`` of a peer combine (``flashgemm.Combine.peers``)."""
+        flat = (self.src_rank.to(torch.int64) * rows_per_rank + self.src_token.to(torch.int64) * top_k
+                + self.src_slot.to(torch.int64))
+        return torch.where(self.src_rank >= 0, flat, -1).to(torch.int32)
 
 
 def make_combine_routing(plan: ReceivePlan, rows: torch.Tensor, src_rank: torch.Tensor,
-                         src_token: torch.Tensor, weight: torch.Tensor) -> CombineRouting:
+                         src_token: torch.Tensor, src_slot: torch.Tensor, weight: torch.Tensor) -> CombineRouting:
     """Scatter the received copies' origins into [E_local, max_m] tables."""
     shape = (plan.placement.experts_per_rank, plan.max_m)
     device = rows.device
     rank_t = torch.full(shape, -1, dtype=torch.int32, device=device)
     token_t = torch.full(shape, -1, dtype=torch.int32, device=device)
+    slot_t = torch.full(shape, -1, dtype=torch.int32, device=device)
     weight_t = torch.zeros(shape, dtype=torch.float32, device=device)
     rank_t.view(-1)[rows] = src_rank.to(torch.int32)
     token_t.view(-1)[rows] = src_token.to(torch.int32)
+    slot_t.view(-1)[rows] = src_slot.to(torch.int32)
     weight_t.view(-1)[rows] = weight.to(torch.float32)
-    return CombineRouting(rank_t, token_t, weight_t)
+    return CombineRouting(rank_t, token_t, slot_t, weight_t)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # holds tensors: identity equality
@@ -261,10 +273,11 @@ def plan_world(topk_ids: Sequence[torch.Tensor], topk_weights: Sequence[torch.Te
         e = torch.cat([s.local_expert[p] for s, p in zip(send, pick)])
         pos = torch.cat([s.pos[p] for s, p in zip(send, pick)])
         token = torch.cat([s.token[p] for s, p in zip(send, pick)])
+        slot = torch.cat([s.slot[p] for s, p in zip(send, pick)])
         weight = torch.cat([s.weight[p] for s, p in zip(send, pick)])
         rows = plan.rows(src_rank, e, pos)
         receive.append(plan)
-        routing.append(make_combine_routing(plan, rows, src_rank, token, weight))
+        routing.append(make_combine_routing(plan, rows, src_rank, token, slot, weight))
         rows_all.append(rows)
         sources.append((src_rank, token))
     return WorldPlan(tuple(send), tuple(receive), tuple(routing), tuple(rows_all), tuple(sources))

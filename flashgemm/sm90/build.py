@@ -58,7 +58,8 @@ def _fake_args(ab_dtype, out_dtype, sum_dtype=None):
         # weight scales (E, N/128, K/128) read element-wise: any strides
         sfa = fake(f32, (e, m, kb), (ld(f32), 1, ld(f32)), assumed_align=16)
         sfb = fake(f32, (e, nb, kb), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
-    # the fused combine: the routing of each row and the token-major output of the sums
+    # the fused combine: the routing of each row, the token-major output of the
+    # sums (or this rank's receive buffer) and the peers' receive-buffer addresses
     sum_dtype = sum_dtype or cutlass.Float32
     routing = (
         fake(cutlass.Int32, (e, m), (cute.sym_int64(), 1), assumed_align=4),
@@ -66,6 +67,7 @@ def _fake_args(ab_dtype, out_dtype, sum_dtype=None):
         cute.runtime.make_fake_compact_tensor(sum_dtype, (cute.sym_int(), n), stride_order=(1, 0),
                                               assumed_align=16),
         fake(cutlass.Int32, (1,), (1,), assumed_align=4),
+        fake(cutlass.Int64, (cute.sym_int(),), (1,), assumed_align=8),
     )
     return a, b, d, masked_m, signals, sfa, sfb, routing
 
@@ -73,11 +75,11 @@ def _fake_args(ab_dtype, out_dtype, sum_dtype=None):
 def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, trace: bool = False):
     """Compile one kernel (no caching). Returns the TVM-FFI callable
     ``fn(a, b, out, masked_m, signals, a_scale, b_scale, counter, token_idx,
-    weight, combined, err, num_ctas)`` (``signals`` is None without a signal
-    mode; the scales are None for bf16; ``counter``, an int32 (2,) workspace
-    that is zero between launches, only for the dynamic order, else None;
-    ``out`` None and the routing tensors given only for
-    the fused combine); with ``keep_ptx`` its ``__ptx__``
+    weight, combined, err, peers, num_ctas)`` (``signals`` is None without a
+    signal mode; the scales are None for bf16; ``counter``, an int32 (2,)
+    workspace that is zero between launches, only for the dynamic order, else
+    None; ``out`` None and the routing tensors given only for the fused
+    combine, ``peers`` only for ``Epilogue.COMBINE_PEERS``); with ``keep_ptx`` its ``__ptx__``
     holds the generated PTX. ``trace``: a development build whose
     ``signals`` argument is a ``flashgemm.trace`` timeline buffer (never cached)."""
     arch = ensure_arch_env(arch)
@@ -90,12 +92,15 @@ def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, 
     check_config(config, operands, spec.epilogue)
     ab_t, out_t = _cutlass_dtype(operands.value), _cutlass_dtype(OUT_DTYPE)
     gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, spec.signal_mode, trace=trace, epilogue=spec.epilogue)
-    sum_t = cutlass.BFloat16 if spec.epilogue is Epilogue.COMBINE_BF16 else cutlass.Float32
-    a, b, d, masked_m, signals, sfa, sfb, routing = _fake_args(ab_t, out_t, sum_t)
+    bf16_rows = spec.epilogue in (Epilogue.COMBINE_BF16, Epilogue.COMBINE_PEERS)
+    a, b, d, masked_m, signals, sfa, sfb, routing = _fake_args(
+        ab_t, out_t, cutlass.BFloat16 if bf16_rows else cutlass.Float32)
     if spec.epilogue.combines:
         d = None
+        if spec.epilogue is not Epilogue.COMBINE_PEERS:
+            routing = (*routing[:4], None)
     else:
-        routing = (None, None, None, None)
+        routing = (None,) * 5
     if spec.signal_mode is None and not trace:
         # no signals tensor to pass: each tensor argument costs the call a
         # DLPack conversion and its checks (about 0.25 us on the H100 host)

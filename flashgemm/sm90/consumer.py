@@ -50,7 +50,7 @@ class Consumer:
     ):
         """Every tile's mainloop and epilogue on this warpgroup.
         ``epi_barriers``: (epilogue barrier, consumer barrier, handoff or None);
-        ``combine``: the ``epilogue.CombineTarget`` of ``Epilogue.COMBINE``."""
+        ``combine``: the ``epilogue.CombineTarget`` of the fused combine."""
         tile_mn = (self.tile_mnk[0], self.tile_mnk[1])
         consumer_tidx = tidx - 128
         thr_mma = tiled_mma.get_slice(consumer_tidx)

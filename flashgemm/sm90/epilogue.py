@@ -35,7 +35,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Int32
+from cutlass import Int32, Int64
 from cutlass.tensor_utils.layout import LayoutEnum
 
 # stages of the partial-tile signal handoff (consumers -> store warp): with
@@ -54,13 +54,16 @@ class _NoLoopState:
 
 
 class CombineTarget(NamedTuple):
-    """The fused combine (``Epilogue.COMBINE``, ``COMBINE_BF16``): where each
-    valid row goes, and how heavily."""
+    """The fused combine (``Epilogue.COMBINE``, ``COMBINE_BF16``,
+    ``COMBINE_PEERS``): where each valid row goes, and how heavily."""
 
-    mTokenIdx: cute.Tensor  # (E, max_m) int32: the token of each dispatched row
+    mTokenIdx: cute.Tensor  # (E, max_m) int32: the token (with mPeers: owner * R + row) of each row
     mWeight: cute.Tensor  # (E, max_m) fp32: its routing weight
-    mCombined: cute.Tensor  # (T, N) fp32 or bf16, contiguous: reduce-added into
-    mErr: cute.Tensor  # (1,) int32 error word: ERR_BAD_TOKEN for a token outside [0, T)
+    # (T, N) fp32 or bf16, contiguous: reduce-added into; with mPeers this
+    # rank's (R, N) bf16 receive buffer, the shape of every rank's
+    mCombined: cute.Tensor
+    mErr: cute.Tensor  # (1,) int32 error word: ERR_BAD_TOKEN for a token outside [0, T) / [0, W * R)
+    mPeers: cute.Tensor = None  # COMBINE_PEERS: (W,) int64, each rank's receive-buffer address
 
 
 ERR_BAD_TOKEN = 2  # (the bit the reference combine uses too)
@@ -232,21 +235,41 @@ class TileEpilogue(_NoLoopState):
         in L2, in no fixed order): an fp32 output takes two
         ``red.global.add.v4.f32``, a bf16 one the piece rounded to bf16 in one
         ``red.global.add.noftz.v4.bf16x2`` (half the bytes; docs/design.md).
-        A token outside [0, T) sets ERR_BAD_TOKEN and its row is skipped."""
+        A token outside [0, T) sets ERR_BAD_TOKEN and its row is skipped.
+
+        ``Epilogue.COMBINE_PEERS`` (``target.mPeers``, expert parallelism):
+        the token is the flat destination owner * R + row (R: the rows of
+        each rank's receive buffer), and the weighted piece, rounded to bf16,
+        leaves in one plain 16-byte store (``st.global.v4.b32``, no reduction)
+        to ``mPeers[owner] + (row * N + col) * 2`` bytes: the owner's receive
+        buffer, over NVLink for another GPU. A destination outside
+        [0, W * R) sets ERR_BAD_TOKEN and its row is skipped."""
         target = self.combine
+        peer_stores = target.mPeers is not None
         n_rem = n_total - n_block * self.tile_mn[1]
         num_tokens = cute.size(target.mCombined, mode=[0])
+        rows_per_rank = num_tokens
+        if cutlass.const_expr(peer_stores):
+            num_tokens = rows_per_rank * cute.size(target.mPeers, mode=[0])  # < 2**31 (routing.py)
         passes = cute.size(self.tSG_sD, mode=[1])
         # this thread's rows are the same in every sub-tile: read their
         # routing once per tile (a row past m_e reads a real, unused entry)
         tokens = cute.make_rmem_tensor((passes,), Int32)
         weights = cute.make_rmem_tensor((passes,), cutlass.Float32)
+        dests = None
+        if cutlass.const_expr(peer_stores):
+            dests = cute.make_rmem_tensor((passes,), Int64)  # each row's byte address
         row0 = m_block * self.tile_mn[0]
         last_row = cute.size(target.mTokenIdx, mode=[1]) - 1
         for i in cutlass.range_constexpr(passes):
             src = cutlass.min(row0 + self.tSG_cD[(0, i, 0)][0], last_row)
             tokens[i] = target.mTokenIdx[expert, src]
             weights[i] = target.mWeight[expert, src]
+            if cutlass.const_expr(peer_stores):
+                # an invalid destination reads entry 0 of the table, never past it
+                flat = cutlass.select_((tokens[i] >= 0) & (tokens[i] < num_tokens), tokens[i], Int32(0))
+                owner = flat // rows_per_rank
+                dests[i] = target.mPeers[owner] + Int64(flat - owner * rows_per_rank) * Int64(n_total) * 2
         bf16_sums = target.mCombined.element_type == self.out_dtype
         piece = cute.make_rmem_tensor((8,), self.out_dtype)
         vals = cute.make_rmem_tensor((8,), cutlass.Float32)
@@ -264,19 +287,29 @@ class TileEpilogue(_NoLoopState):
                         if (token >= 0) & (token < num_tokens):
                             cute.autovec_copy(self.tSG_sD[(None, i, n)], piece)
                             vals.store(piece.load().to(cutlass.Float32) * weights[i])
-                            dst = target.mCombined.iterator + (
-                                token * n_total + n_block * self.tile_mn[1] + epi_idx * self.epi_tile[1] + col
-                            )
-                            if cutlass.const_expr(bf16_sums):
+                            if cutlass.const_expr(peer_stores):
+                                # one plain 16-byte store into the owner's receive buffer
+                                col0 = n_block * self.tile_mn[1] + epi_idx * self.epi_tile[1] + col
+                                dst = cute.make_ptr(Int32, dests[i] + Int64(col0) * 2,
+                                                    cute.AddressSpace.gmem, assumed_align=16)
                                 piece.store(vals.load().to(self.out_dtype))
                                 words = cute.recast_tensor(piece, Int32)  # 4 bf16 pairs
-                                cute.arch.red(dst, words.load().ir_value(), op="add", dtype="bf16x2",
-                                              sem="relaxed", scope="gpu")
+                                cute.arch.store(dst, words.load().ir_value())
                             else:
-                                for h in cutlass.range_constexpr(2):  # two 16-byte reductions
-                                    quad = cute.local_tile(vals, (4,), (h,)).load()
-                                    cute.arch.red(dst + 4 * h, quad.ir_value(), op="add", dtype="f32",
+                                dst = target.mCombined.iterator + (
+                                    token * n_total + n_block * self.tile_mn[1] + epi_idx * self.epi_tile[1]
+                                    + col
+                                )
+                                if cutlass.const_expr(bf16_sums):
+                                    piece.store(vals.load().to(self.out_dtype))
+                                    words = cute.recast_tensor(piece, Int32)  # 4 bf16 pairs
+                                    cute.arch.red(dst, words.load().ir_value(), op="add", dtype="bf16x2",
                                                   sem="relaxed", scope="gpu")
+                                else:
+                                    for h in cutlass.range_constexpr(2):  # two 16-byte reductions
+                                        quad = cute.local_tile(vals, (4,), (h,)).load()
+                                        cute.arch.red(dst + 4 * h, quad.ir_value(), op="add", dtype="f32",
+                                                      sem="relaxed", scope="gpu")
                         else:
                             cute.arch.atomic_or(target.mErr.iterator, Int32(ERR_BAD_TOKEN))
             self.consumer_barrier.arrive_and_wait()  # buffer 0 read: free again

@@ -26,8 +26,9 @@ from ..config import (
 )
 
 A_CHUNK_ROWS = 32
-# the fused combine's builds: fp32 and bf16 sums
-COMBINES = (Epilogue.COMBINE, Epilogue.COMBINE_BF16)
+# the fused combine's builds: fp32 and bf16 sums, and bf16 rows stored into
+# the owner ranks' receive buffers (expert parallelism); one configuration each
+COMBINES = (Epilogue.COMBINE, Epilogue.COMBINE_BF16, Epilogue.COMBINE_PEERS)
 
 # ---- bf16 tiles -------------------------------------------------------------
 DECODE_CONFIG = GemmConfig(
@@ -232,7 +233,7 @@ def choose_config(
 ) -> GemmConfig:
     """Pick a configuration from host-side facts only. ``signals``: the call
     publishes completion signals; ``combine``: its epilogue is the fused
-    combine (``Epilogue.COMBINE``)."""
+    combine (any of ``COMBINES``: the target does not change the pick)."""
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     facts = Facts(m, n, k, num_sms, num_experts)
     operands = Operands.FP8_BLOCK if fp8 else Operands.BF16

@@ -183,10 +183,11 @@ class MaskedGroupedGemmSm90:
         mSFA: cute.Tensor,  # fp8: (E, max_m, ceil(K/128)) fp32, M contiguous; else None
         mSFB: cute.Tensor,  # fp8: (E, ceil(N/128), ceil(K/128)) fp32; else None
         mCounter: cute.Tensor,  # dynamic: (2,) int32 claim counter, zero between launches; else None
-        mTokenIdx: cute.Tensor,  # Epilogue.COMBINE (else None): (E, max_m) int32
+        mTokenIdx: cute.Tensor,  # Epilogue.COMBINE* (else None): (E, max_m) int32
         mWeight: cute.Tensor,  # (E, max_m) fp32
-        mCombined: cute.Tensor,  # (T, N) fp32, or bf16 for Epilogue.COMBINE_BF16
+        mCombined: cute.Tensor,  # (T, N) fp32, or bf16 for COMBINE_BF16; COMBINE_PEERS: (R, N) bf16
         mErr: cute.Tensor,  # (1,) int32
+        mPeers: cute.Tensor,  # Epilogue.COMBINE_PEERS (else None): (W,) int64 receive-buffer addresses
         num_ctas: Int32,
         stream,
     ):
@@ -253,6 +254,7 @@ class MaskedGroupedGemmSm90:
             mWeight,
             mCombined,
             mErr,
+            mPeers,
             self.tiled_mma,
             self.a_smem_layout,
             self.b_smem_layout,
@@ -283,10 +285,11 @@ class MaskedGroupedGemmSm90:
         mSFA_tma,
         mSFB: cute.Tensor,  # (E, N/128, K/128)
         mCounter,  # dynamic only (else None)
-        mTokenIdx,  # Epilogue.COMBINE only (else None)
+        mTokenIdx,  # Epilogue.COMBINE* only (else None)
         mWeight,
         mCombined,
         mErr,
+        mPeers,  # Epilogue.COMBINE_PEERS only (else None)
         tiled_mma: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
@@ -476,7 +479,7 @@ class MaskedGroupedGemmSm90:
                 )
             if warp_idx == 1:
                 # the store warp: bulk stores and signals, off the wgmma warps
-                storer = None  # Epilogue.COMBINE: the consumers reduce every row
+                storer = None  # the fused combine: the consumers send every row themselves
                 if cutlass.const_expr(self.epilogue is Epilogue.STORE):
                     storer = TileStorer(
                         sD_store, tma_atom_d, gD_tma, tile_mn, self.epi_tile,
@@ -492,5 +495,6 @@ class MaskedGroupedGemmSm90:
                 tidx, warp_group_idx, tiled_mma, ConsumerSmem(sA, sB, sD, sSFA, sSFB), gD_mem,
                 self.out_dtype, (epi_barrier, consumer_barrier, handoff), walk_args, feed, balance,
                 ab_pipeline, sig_pipeline, k_tile_cnt, n_total, mTrace, trace_base,
-                None if self.epilogue is Epilogue.STORE else CombineTarget(mTokenIdx, mWeight, mCombined, mErr),
+                None if self.epilogue is Epilogue.STORE
+                else CombineTarget(mTokenIdx, mWeight, mCombined, mErr, mPeers),
             )

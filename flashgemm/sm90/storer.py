@@ -169,7 +169,7 @@ def run_store_warp(
 ):
     """The store warp's walk: every tile's bulk stores and signal, then the
     full wait for the last stores before the CTA exits. ``storer`` None
-    (``Epilogue.COMBINE``: the consumers reduce every row themselves): the
+    (the fused combine: the consumers send every row themselves): the
     walk alone, which the dynamic feed and the balance barrier count on."""
     sched, used = start_walk(config, walk_args, feed, None, balance)
     work = sched.work()
