@@ -193,7 +193,7 @@ def test_combine_argument_errors():
     with pytest.raises(ValueError, match="routing.src_rank must have shape"):
         combine_to_owners(y, masked_m, signals, layout, replace(routing, src_rank=routing.src_rank[:, :4]),
                           buffers, num_sms=2)
-    with pytest.raises(ValueError, match="routing.src_slot must have dtype"):
+    with pytest.raises(TypeError, match="routing.src_slot must have dtype"):
         combine_to_owners(y, masked_m, signals, layout, replace(routing, src_slot=routing.src_slot.long()),
                           buffers, num_sms=2)
     with pytest.raises(ValueError, match="num_sms must be an int"):
@@ -247,7 +247,7 @@ def test_two_or_more_gpus_equal_the_reference(bf16):
 def test_a_failed_rank_raises_on_every_rank_not_a_hang():
     n = min(_gpus(), 8)
     proc = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-                 "-m", "flashgemm.ep.demo", *SMALL, "--fail-rank", "1", "--max-polls", "20000"], timeout=600)
+                 "-m", "flashgemm.ep.demo", *SMALL, "--fail-rank", "1", "--drill-polls", "20000"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if "failure drill" in line]
     assert len(lines) == n, proc.stdout[-3000:]

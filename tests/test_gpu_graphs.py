@@ -56,6 +56,10 @@ def _stream_case():
     out = torch.full((e_count, max_m, n), POISON, device="cuda", dtype=torch.bfloat16)
     flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m)  # compile first
     out.fill_(POISON)
+    # launch the check's own kernels once now: with CUDA's lazy module loading
+    # a kernel's first launch may wait for the whole GPU, the sleep included,
+    # which would hide where the GEMM ran
+    assert (out == POISON).all()
     torch.cuda.synchronize()
     return a, b, masked_m, out
 

@@ -62,7 +62,9 @@ def test_activation_fp8_matches_reference_and_leaves_padding(seed, inter):
             # the kernel's exp is ex2.approx (2 ulp): the block maxima agree to a few ulp
             torch.testing.assert_close(s[e, :m], rs[e, :m], rtol=4e-6, atol=0)
             d, r = dequantize_fp8_per_token(q[e, :m], s[e, :m]), dequantize_fp8_per_token(rq[e, :m], rs[e, :m])
-            assert similarity(d, r) < 1e-6
+            # scales a few ulp apart send values at an fp8 rounding midpoint to
+            # the other neighbour: up to 1.35e-6 seen over 15 seeds (H100)
+            assert similarity(d, r) < 4e-6
 
 
 def test_activation_bf16(seed):

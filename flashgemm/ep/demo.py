@@ -54,7 +54,9 @@ def _args(argv):
     p.add_argument("--layers", type=int, default=0, help="then run this many back-to-back layers (hang test)")
     p.add_argument("--fail-rank", type=int, default=None,
                    help="rank that skips its combine in one extra layer: every rank must raise, none hang")
-    p.add_argument("--max-polls", type=int, default=None, help="bound of each wait (default: the combine's)")
+    p.add_argument("--drill-polls", type=int, default=20_000,
+                   help="bound of each wait in the failure drill (the layers before it keep the default bound, "
+                        "which must cover one rank compiling while the other waits)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -168,21 +170,42 @@ def _timed_layer(layer, x, x_scale, ids, w, expected_m, form):
             "down+combine": ev[2].elapsed_time(ev[3]) * 1e3, "layer": ev[0].elapsed_time(ev[3]) * 1e3}
 
 
-def _down_alone_us(layer, d, h, hs, expected_m, args):
-    from ..api import grouped_gemm_nt_masked
+def _sequential_parts_us(layer, d, h, hs, ids, expected_m, args) -> dict:
+    """The sequential form's parts timed one by one: the down GEMM (all SMs,
+    with signals), the combine kernel (all SMs; its completion step waits
+    for the peers) and the local sum."""
+    from ..api import grouped_gemm_nt_masked, signal_layout
+    from ..signals import alloc_signals
+    from .combine import combine_to_owners, finalize
 
-    ex = layer.experts
+    ex, buffers = layer.experts, layer.buffers
     y = torch.empty(h.shape[0], h.shape[1], ex.hidden, dtype=torch.bfloat16, device=h.device)
+    layout = signal_layout(h.shape[0], h.shape[1], ex.hidden, ex.intermediate, expected_m=expected_m,
+                           fp8=ex.fp8, device=h.device)
+    signals = alloc_signals(layout, h.device)
+    err = torch.zeros(1, dtype=torch.int32, device=h.device)
 
     def run():
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        grouped_gemm_nt_masked(h, ex.w2, y, d.masked_m, a_scale=hs, b_scale=ex.w2_scale, expected_m=expected_m)
-        b.record()
-        b.synchronize()
-        return {"down": a.elapsed_time(b) * 1e3}
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        signals.zero_()
+        ev[0].record()
+        grouped_gemm_nt_masked(h, ex.w2, y, d.masked_m, a_scale=hs, b_scale=ex.w2_scale, expected_m=expected_m,
+                               dst_signals=signals)
+        ev[1].record()
+        combine_to_owners(y, d.masked_m, signals, layout, d.routing, buffers, num_sms=layer.sm_count,
+                          rows_per_item=layer.rows_per_item, err=err)
+        ev[2].record()
+        finalize(buffers, ids)
+        ev[3].record()
+        ev[3].synchronize()
+        return {"down": ev[0].elapsed_time(ev[1]) * 1e3, "combine": ev[1].elapsed_time(ev[2]) * 1e3,
+                "sum": ev[2].elapsed_time(ev[3]) * 1e3}
 
-    return _median_us(run, args)["down"]
+    parts = _median_us(run, args)
+    from .combine import check_error
+
+    check_error(err, buffers.rank)
+    return parts
 
 
 def _failing_layer(layer, x, x_scale, ids, w, expected_m, rank, fail_rank) -> str:
@@ -210,7 +233,7 @@ def _run(args) -> int:
     from ..quant import quantize_fp8_per_token
     from ..reference import similarity
     from .buffers import alloc_token_buffers
-    from .combine import DEFAULT_MAX_POLLS, check_error
+    from .combine import check_error
     from .layer import CombineForm, EpMoELayer
     from .reference import ep_layer_ref
 
@@ -227,9 +250,8 @@ def _run(args) -> int:
                f"dispatch: all_to_all_single baseline")
     experts = _weights(args, e_local, rank, device)
     buffers = alloc_token_buffers(args.tokens, args.hidden, args.top_k, device=device)
-    max_polls = DEFAULT_MAX_POLLS if args.max_polls is None else args.max_polls
     layer = EpMoELayer(experts, args.experts, buffers, combine_sms=args.combine_sms,
-                       rows_per_item=args.rows_per_item, max_polls=max_polls)
+                       rows_per_item=args.rows_per_item)
     g = torch.Generator(device=device).manual_seed(args.seed + 17 * (rank + 1))
     x = torch.randn(args.tokens, args.hidden, generator=g, device=device).to(torch.bfloat16)
     ids = torch.topk(torch.rand(args.tokens, args.experts, generator=g, device=device), args.top_k).indices
@@ -267,7 +289,7 @@ def _run(args) -> int:
         times[form] = {k: statistics.median(t[k] for t in runs[form]) for k in runs[form][0]}
     d = layer.dispatch(x, ids, w, x_scale=x_scale)
     h, hs = layer.up(d, expected_m)
-    down = _down_alone_us(layer, d, h, hs, expected_m, args)
+    parts = _sequential_parts_us(layer, d, h, hs, ids, expected_m, args)
     rows = int(d.masked_m.sum())
     active = int((d.masked_m > 0).sum())
     w2_bytes = active * experts.w2[0].numel() * experts.w2.element_size()
@@ -275,22 +297,26 @@ def _run(args) -> int:
     remote = int((d.routing.src_rank[d.routing.src_rank >= 0] != rank).sum())
     row_bytes = 2 * experts.hidden  # a weighted bf16 row into the receive buffer
     keys = ("dispatch", "up", "down+combine", "layer")
-    stats = torch.tensor([times[f][k] for f in forms for k in keys] + [down], device=device, dtype=torch.float64)
+    stats = torch.tensor([times[f][k] for f in forms for k in keys] + [parts["down"], parts["combine"], parts["sum"]],
+                         device=device, dtype=torch.float64)
     if world > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     s = stats.tolist()
     t = {f: dict(zip(keys, s[4 * i:4 * i + 4])) for i, f in enumerate(forms)}
+    down, combine_us, sum_us = s[-3:]
     fused, sig, seq = (t[f] for f in forms)
     _say(rank, f"  (rank 0's counts: {rows} rows in {active} active experts, {remote} rows to other ranks; "
                f"times: median of {args.iters}, forms interleaved, the slowest rank)")
     _say(rank, f"    dispatch (all_to_all_single)              {seq['dispatch']:8.1f} us")
     _say(rank, f"    gate_up GEMM + SwiGLU                     {seq['up']:8.1f} us")
-    _say(rank, f"    down GEMM alone                           {s[-1]:8.1f} us   {down_bytes / s[-1] / 1e3:6.0f} GB/s "
-               f"({down_bytes / s[-1] / 1e3 / COPY_GBPS:4.0%} of copy)")
-    combine_us = max(seq["down+combine"] - s[-1], 1e-3)
-    _say(rank, f"    down GEMM, then combine + sum (sequential) {seq['down+combine']:7.1f} us   (combine + sum "
-               f"~{combine_us:.1f} us: {remote * row_bytes / 1e6:.1f} MB to peers = "
-               f"{remote * row_bytes / combine_us / 1e3:.0f} GB/s, against ~{NVLINK_GBPS:.0f} GB/s per direction)")
+    _say(rank, f"    down GEMM alone (with signals)            {down:8.1f} us   {down_bytes / down / 1e3:6.0f} GB/s "
+               f"({down_bytes / down / 1e3 / COPY_GBPS:4.0%} of copy)")
+    _say(rank, f"    combine kernel alone (all SMs)            {combine_us:8.1f} us   {remote * row_bytes / 1e6:.1f} MB "
+               f"to peers: {remote * row_bytes / combine_us / 1e3:.0f} GB/s against ~{NVLINK_GBPS:.0f} GB/s per "
+               f"direction (bound {remote * row_bytes / NVLINK_GBPS / 1e3:.1f} us)")
+    _say(rank, f"    sum of each token's k rows                {sum_us:8.1f} us   "
+               f"{buffers.recv[:args.tokens].numel() * 2 / sum_us / 1e3:.0f} GB/s of rows read")
+    _say(rank, f"    down GEMM, then combine + sum (sequential) {seq['down+combine']:7.1f} us")
     for name, part in (("fused into the GEMM epilogue", fused), ("signalled, overlapped", sig)):
         _say(rank, f"    down GEMM + combine + sum, {name:28s} {part['down+combine']:8.1f} us   "
                    f"{seq['down+combine'] / part['down+combine']:.2f}x the sequential")
@@ -312,6 +338,7 @@ def _run(args) -> int:
                    f"word; last layer's similarity diff {final:.1e}")
         ok = ok and final < SIMILARITY_TOL
     if args.fail_rank is not None:
+        layer.max_polls = args.drill_polls
         seen = _failing_layer(layer, x, x_scale, ids, w, expected_m, rank, args.fail_rank)
         print(f"  failure drill (rank {args.fail_rank} skips its combine): rank {rank}: {seen}", flush=True)
         ok = ok and ("raised RuntimeError" in seen or rank == args.fail_rank)
