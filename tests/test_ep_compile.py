@@ -49,6 +49,16 @@ def test_completion_is_release_acquire_at_system_scope(combine_ptx, complete_ptx
     assert not _lines(complete_ptx, r"^st\.global\.v4")  # the completion step writes no rows
 
 
+@pytest.mark.parametrize("ids_dtype,sums", [(torch.int64, torch.float32), (torch.int32, torch.bfloat16)])
+def test_token_sum_loads_every_slot_at_once(ids_dtype, sums):
+    from flashgemm.ep.combine import build_token_sum
+
+    ptx = build_token_sum(8, ids_dtype, sums, "sm_90a", keep_ptx=True).__ptx__
+    assert len(_lines(ptx, r"^ld\.global\.v4")) == 8  # the 8 slots' 16-byte loads, unrolled
+    assert len(_lines(ptx, r"^st\.global\.v4")) == (2 if sums == torch.float32 else 1)
+    assert ".local" not in ptx
+
+
 def test_no_multicast_anywhere(combine_ptx, complete_ptx):
     for ptx in (combine_ptx, complete_ptx):
         assert "multimem" not in ptx

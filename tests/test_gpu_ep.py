@@ -140,19 +140,28 @@ def test_silent_peer_after_a_fused_gemm_sets_bit_4():
     assert ghost.flags[0].item() == 1
 
 
-def test_finalize_sums_routed_slots_in_fp32():
+@pytest.mark.parametrize("ids_dtype,sums", [(torch.int32, torch.bfloat16), (torch.int64, torch.float32)])
+def test_finalize_sums_routed_slots_in_slot_order(ids_dtype, sums):
     from flashgemm.ep.combine import finalize
 
-    buffers = local_token_buffers(5, 64, 3, dtype=torch.bfloat16)
-    buffers.recv.fill_(float("nan"))
-    ids = torch.tensor([[0, 1, 2], [3, -1, 4], [-1, -1, -1]], dtype=torch.int32, device="cuda")
-    vals = torch.randn(3, 3, 64, device="cuda").to(torch.bfloat16)
-    buffers.recv[:3] = torch.where((ids >= 0)[..., None], vals, float("nan"))
+    buffers = local_token_buffers(7, 4096 + 64, 3, dtype=sums)
+    buffers.recv.fill_(float("nan"))  # never-written slots: must not be read
+    buffers.tokens.fill_(-7.0)
+    ids = torch.tensor([[0, 1, 2], [3, -1, 4], [-1, -1, -1], [5, 6, -1], [1, 2, 3]], dtype=ids_dtype,
+                       device="cuda")
+    vals = (torch.randn(5, 3, 4096 + 64, device="cuda") * 4).to(torch.bfloat16)
+    routed = (ids >= 0)[..., None]
+    buffers.recv[:5] = torch.where(routed, vals, float("nan"))
     out = finalize(buffers, ids)
-    want = torch.where((ids >= 0)[..., None], vals.float(), 0).sum(1).to(torch.bfloat16)
-    assert torch.equal(out, want)
-    with pytest.raises(ValueError, match=r"topk_ids must be \[T <= 5, k = 3\]"):
+    want = torch.zeros(5, 4096 + 64, device="cuda")
+    for j in range(3):  # the kernel's order: slot 0, 1, 2 in fp32
+        want += torch.where(routed[:, j], vals[:, j].float(), 0.0)
+    assert torch.equal(out, want.to(sums))
+    assert (buffers.tokens[5:] == -7.0).all()  # tokens past T untouched
+    with pytest.raises(ValueError, match=r"topk_ids must be \[T <= 7, k = 3\]"):
         finalize(buffers, ids[:, :2])
+    with pytest.raises(TypeError, match="topk_ids must have dtype int32 or int64"):
+        finalize(buffers, ids.float())
 
 
 def test_silent_peer_sets_bit_4_not_a_hang():

@@ -124,6 +124,41 @@ def build_ep_complete(arch: Optional[str] = None, keep_ptx: bool = False):
     return fn
 
 
+_ID_TYPES = {torch.int32: "Int32", torch.int64: "Int64"}
+_SUM_TYPES = {torch.float32: "Float32", torch.bfloat16: "BFloat16"}
+SUM_CTAS_PER_SM = 4  # 256-thread CTAs without shared memory, as the activation kernel
+
+
+def build_token_sum(top_k: int, ids_dtype: torch.dtype, out_dtype: torch.dtype, arch: Optional[str] = None,
+                    keep_ptx: bool = False):
+    """Compile ``sum_kernel.TokenSum`` for dynamic T and H, no caching."""
+    ensure_arch_env(arch)
+    import cutlass
+    import cutlass.cute as cute
+
+    from .sum_kernel import TokenSum
+
+    t_max, t, n = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=8)
+    with compile_options(keep_ptx) as options:
+        fn = cute.compile(
+            TokenSum(top_k),
+            row_major(cutlass.BFloat16, (t_max, top_k, n), 16),
+            row_major(getattr(cutlass, _ID_TYPES[ids_dtype]), (t, top_k)),
+            row_major(getattr(cutlass, _SUM_TYPES[out_dtype]), (t_max, n), 16),
+            cutlass.Int32(1),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=options,
+        )
+    cache.count_compile()
+    return fn
+
+
+def get_token_sum(top_k: int, ids_dtype: torch.dtype, out_dtype: torch.dtype, arch: Optional[str] = None):
+    arch = arch or default_arch()
+    return cache.cached(cache_key(arch, "ep_token_sum", top_k, str(ids_dtype), str(out_dtype)),
+                        lambda: build_token_sum(top_k, ids_dtype, out_dtype, arch))
+
+
 def get_ep_combine(block_m: int, rows_per_item: int, arch: Optional[str] = None):
     arch = arch or default_arch()
     return cache.cached(cache_key(arch, "ep_combine_store", block_m, rows_per_item),
@@ -260,16 +295,21 @@ def complete(buffers: TokenBuffers, err: torch.Tensor, *, max_polls: int = DEFAU
 def finalize(buffers: TokenBuffers, topk_ids: torch.Tensor) -> torch.Tensor:
     """``buffers.tokens[:T]`` = the sum over each token's routed slots
     (``topk_ids >= 0``) of its received rows, in slot order, accumulated in
-    fp32 (deterministic); unrouted slots, which nobody wrote, count as 0.
+    fp32 (deterministic); unrouted slots, which nobody wrote, are not read.
     On the current stream, after the completion step; returns that view."""
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be a [T, k] tensor, got {getattr(topk_ids, 'shape', type(topk_ids))}")
     t, k = topk_ids.shape
     if k != buffers.top_k or t > buffers.max_tokens:
         raise ValueError(f"topk_ids must be [T <= {buffers.max_tokens}, k = {buffers.top_k}], got {(t, k)}")
+    if topk_ids.dtype not in _ID_TYPES:
+        raise TypeError(f"topk_ids must have dtype int32 or int64, got {topk_ids.dtype}")
     if topk_ids.device != buffers.recv.device:
         raise ValueError(f"topk_ids is on {topk_ids.device}, the buffers on {buffers.recv.device}")
-    rows = torch.where((topk_ids >= 0).unsqueeze(-1), buffers.recv[:t], 0)  # never-written slots may hold NaN
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     out = buffers.tokens[:t]
-    torch.sum(rows, dim=1, dtype=out.dtype, out=out)
+    if t:
+        sm_count = device_facts(ids.device.index)[1]
+        get_token_sum(k, ids.dtype, out.dtype)(buffers.recv, ids, buffers.tokens,
+                                               min(t, sm_count * SUM_CTAS_PER_SM))
     return out
