@@ -1,7 +1,7 @@
 """The EP layer on the GPU.
 
 World size 1 runs the multi-GPU code path on one GPU: the dispatch is a local
-permutation, the combine reduce-adds into this GPU's own token buffer as
+permutation, the combine stores into this GPU's own receive buffer as
 "peer 0" and its completion step signals and waits on itself. With symmetric
 memory (a process group of one, in a subprocess) and without it (ordinary
 memory laid out the same way). The bounded waits are driven into their error

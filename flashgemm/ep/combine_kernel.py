@@ -85,7 +85,7 @@ def peer_completion(
 
 
 class EpCombineSm90:
-    """Signal-driven combine into the owner ranks' token buffers.
+    """Signal-driven combine into the owner ranks' receive buffers.
 
     Roles: every warp of every CTA (``COMBINE_THREADS`` threads, one CTA per
     SM the GEMM leaves free) is a team of its own. Work items are
