@@ -16,7 +16,9 @@ from . import torch_ops  # noqa: F401  (registers torch.ops.flashgemm.*)
 def precompile(specs=None, *, arch=None, cache_dir=None, progress=False):
     """Build and store every kernel the package can launch on ``arch``
     (default: this GPU's, else sm_90a) ahead of serving, without a GPU (see
-    ``flashgemm.sm90.build.precompile`` / ``flashgemm.sm100.build.precompile``)."""
+    ``flashgemm.sm90.build.precompile`` / ``flashgemm.sm100.build.precompile``);
+    on sm_90a with no ``specs`` also the expert-parallel kernels for top-8
+    (``flashgemm.ep.combine.precompile`` takes other top-k). Returns how many."""
     from .jit.arch import default_arch
 
     arch = arch or default_arch()
@@ -24,7 +26,12 @@ def precompile(specs=None, *, arch=None, cache_dir=None, progress=False):
         from .sm100.build import precompile as _precompile
     else:
         from .sm90.build import precompile as _precompile
-    return _precompile(specs, arch=arch, cache_dir=cache_dir, progress=progress)
+    count = _precompile(specs, arch=arch, cache_dir=cache_dir, progress=progress)
+    if specs is None and not arch.startswith("sm_10"):
+        from .ep.combine import precompile as _precompile_ep
+
+        count += _precompile_ep(arch=arch, cache_dir=cache_dir)
+    return count
 
 
 __all__ = [

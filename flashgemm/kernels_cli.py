@@ -23,6 +23,9 @@ PTX_FEATURES = {
     # addresses); a STORE kernel's partial-tile stores load no address
     "combine-peer-store": re.compile(r"ld\.global\.b64\s.*?st\.global\.v4\.b32\s", re.S),
     "fp8-cvt": "cvt.rn.satfinite.e4m3x2.f32",
+    # the EP completion handshake: counts into the peers, waits on their counts
+    "sys-release": "red.release.sys.global.add.s32",
+    "sys-acquire": "ld.acquire.sys.global",
     # Blackwell (sm_100a / sm_103a)
     "tcgen05-mma-mxf8f6f4": re.compile(r"tcgen05\.mma\S*\.kind::mxf8f6f4\.block_scale"),
     "tcgen05-mma-mxf4nvf4": re.compile(r"tcgen05\.mma\S*\.kind::mxf4nvf4\.block_scale"),
@@ -91,9 +94,32 @@ def cmd_compile(args) -> int:
              for m in block_ms]
     activations = _activation_jobs(args, arch)
     jobs += activations
+    ep = _ep_jobs(arch, block_ms)
+    jobs += ep
     return _run_jobs(jobs, arch, getattr(args, "cache_dir", None),
                      f"{len(specs)} GEMMs (every configuration the heuristic picks x signal mode or fused "
-                     f"combine), {len(activations)} MoE activations and {len(block_ms)} reference combines")
+                     f"combine), {len(activations)} MoE activations, {len(block_ms)} reference combines and "
+                     f"{len(ep)} expert-parallel kernels")
+
+
+def _ep_jobs(arch: str, block_ms) -> list:
+    """The expert-parallel kernels (``flashgemm.ep``; none under ``--match``,
+    which passes no m-block heights): the signalled combine polls and
+    completes at system scope, the completion step only completes, the
+    owner's sum neither polls nor completes."""
+    if not block_ms:
+        return []
+    from .ep.combine import ep_kernel_jobs
+
+    handshake = {"sys-release", "sys-acquire"}
+    checks = {"ep-combine": lambda feats: handshake | {"acquire-poll"} <= set(feats),
+              "ep-complete": lambda feats: handshake <= set(feats) and "acquire-poll" not in feats,
+              "ep-token-sum": lambda feats: not (handshake | {"acquire-poll"}) & set(feats)}
+    jobs = []
+    for name, key, make in ep_kernel_jobs(arch, block_ms):
+        check = next(c for prefix, c in checks.items() if name.startswith(prefix))
+        jobs.append((name, key, lambda make=make: make(keep_ptx=True), check))
+    return jobs
 
 
 def sm90_ok(spec, feats) -> bool:

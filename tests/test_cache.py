@@ -193,8 +193,11 @@ def test_cli_fills_a_cache_a_new_process_uses(cli_filled_cache):
     assert res.returncode == 0, res.stderr[-2000:]
     specs = reachable_specs()
     block_ms = sm90_build.combine_block_ms(specs)
-    # and the two MoE activation kernels
-    assert re.search(rf"^{len(specs) + len(block_ms) + 2} kernels for sm_90a in ", res.stdout, re.M), res.stdout
+    from flashgemm.ep.combine import ep_kernel_jobs
+
+    # and the two MoE activation kernels, the expert-parallel ones
+    total = len(specs) + len(block_ms) + 2 + len(ep_kernel_jobs("sm_90a", block_ms))
+    assert re.search(rf"^{total} kernels for sm_90a in ", res.stdout, re.M), res.stdout
     script = """
 import json
 from flashgemm.jit import cache, diskcache
@@ -208,6 +211,14 @@ for block_m in combine_block_ms(reachable_specs()):
 from flashgemm.moe.activation import get_kernel as get_activation
 for fp8 in (True, False):
     get_activation(fp8, arch="sm_90a")
+import torch
+from flashgemm.ep.combine import DEFAULT_EP_ROWS_PER_ITEM, get_ep_combine, get_ep_complete, get_token_sum
+for block_m in combine_block_ms(reachable_specs()):
+    get_ep_combine(block_m, DEFAULT_EP_ROWS_PER_ITEM, arch="sm_90a")
+get_ep_complete(arch="sm_90a")
+for ids in (torch.int32, torch.int64):
+    for out in (torch.float32, torch.bfloat16):
+        get_token_sum(8, ids, out, arch="sm_90a")
 print(json.dumps({"compiles": cache.compile_count, "loads": diskcache.load_count}))
 """
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASHGEMM_CACHE_DIR=cache_dir)
@@ -219,7 +230,7 @@ print(json.dumps({"compiles": cache.compile_count, "loads": diskcache.load_count
     split = {(s.config, s.operands) for s in specs if s.config.tail.name == "SPLIT" and s.epilogue.name == "STORE"}
     assert len(split) == 6
     assert not any(s.signal_mode for s in specs if (s.config, s.operands) in split)
-    assert got == {"compiles": 0, "loads": len(specs) + len(block_ms) + 2}
+    assert got == {"compiles": 0, "loads": total}
     assert len(specs) == 156 and block_ms == [64, 128, 192]
 
 

@@ -274,8 +274,8 @@ _LINE = re.compile(r"^\s*\[\s*(\d+)/(\d+)\]\s+(\S+)\s+[\d.]+ s\s+PTX: (.*)$")
 
 def test_cli_compile_lists_every_kernel(cli_compile_listing):
     """``python -m flashgemm compile --arch sm_90a``: one line per reachable
-    spec, then one per combine and per MoE activation, each with its PTX
-    features; exit 0."""
+    spec, then one per combine, per MoE activation and per expert-parallel
+    kernel, each with its PTX features; exit 0."""
     res = cli_compile_listing
     assert res.returncode == 0, res.stderr[-2000:]
     lines = {}
@@ -285,7 +285,10 @@ def test_cli_compile_lists_every_kernel(cli_compile_listing):
             lines[m.group(3)] = (int(m.group(1)), int(m.group(2)), set(m.group(4).split(", ")))
     specs = reachable_specs()
     block_ms = sm90_build.combine_block_ms(specs)
-    total = len(specs) + len(block_ms) + 2  # and the MoE activations
+    from flashgemm.ep.combine import ep_kernel_jobs
+
+    ep_names = [name for name, _, _ in ep_kernel_jobs("sm_90a", block_ms)]
+    total = len(specs) + len(block_ms) + 2 + len(ep_names)  # and the MoE activations, the EP kernels
     assert len(lines) == total and sorted(i for i, _, _ in lines.values()) == list(range(1, total + 1))
     assert {t for _, t, _ in lines.values()} == {total}
     for spec in specs:
@@ -304,6 +307,12 @@ def test_cli_compile_lists_every_kernel(cli_compile_listing):
     for block_m in block_ms:
         _, _, feats = lines[f"combine-block_m{block_m}-rows4"]
         assert "bulk-reduce" in feats and "acquire-poll" in feats
+    # the EP combine polls and completes at system scope; the completion step only completes
+    for name in ep_names:
+        feats = lines[name][2]
+        handshake = {"sys-release", "sys-acquire"} <= feats
+        assert handshake == (not name.startswith("ep-token-sum")), name
+        assert ("acquire-poll" in feats) == name.startswith("ep-combine"), name
 
 
 # Global-memory instructions of the GEMM kernel (loads, stores, TMA, the

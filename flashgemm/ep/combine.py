@@ -155,19 +155,65 @@ def build_token_sum(top_k: int, ids_dtype: torch.dtype, out_dtype: torch.dtype, 
 
 def get_token_sum(top_k: int, ids_dtype: torch.dtype, out_dtype: torch.dtype, arch: Optional[str] = None):
     arch = arch or default_arch()
-    return cache.cached(cache_key(arch, "ep_token_sum", top_k, str(ids_dtype), str(out_dtype)),
+    return cache.cached(token_sum_key(arch, top_k, ids_dtype, out_dtype),
                         lambda: build_token_sum(top_k, ids_dtype, out_dtype, arch))
+
+
+def ep_combine_key(arch: str, block_m: int, rows_per_item: int) -> tuple:
+    return cache_key(arch, "ep_combine_store", block_m, rows_per_item)
+
+
+def ep_complete_key(arch: str) -> tuple:
+    return cache_key(arch, "ep_complete")
+
+
+def token_sum_key(arch: str, top_k: int, ids_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple:
+    return cache_key(arch, "ep_token_sum", top_k, str(ids_dtype), str(out_dtype))
 
 
 def get_ep_combine(block_m: int, rows_per_item: int, arch: Optional[str] = None):
     arch = arch or default_arch()
-    return cache.cached(cache_key(arch, "ep_combine_store", block_m, rows_per_item),
+    return cache.cached(ep_combine_key(arch, block_m, rows_per_item),
                         lambda: build_ep_combine(block_m, rows_per_item, arch))
 
 
 def get_ep_complete(arch: Optional[str] = None):
     arch = arch or default_arch()
-    return cache.cached(cache_key(arch, "ep_complete"), lambda: build_ep_complete(arch))
+    return cache.cached(ep_complete_key(arch), lambda: build_ep_complete(arch))
+
+
+EP_TOP_KS = (8,)  # DeepSeek-V3's and Qwen3's top-8; other k go through ``ep_kernel_jobs(top_ks=...)``
+
+
+def ep_kernel_jobs(arch: str, block_ms, top_ks=EP_TOP_KS) -> list:
+    """(name, cache key, build) of every EP kernel a layer can launch: the
+    signalled combine for each signalled m-block height (``block_ms``), the
+    completion step, and the owner's sum for each top-k, id dtype and sum
+    dtype. ``python -m flashgemm compile`` lists them; ``precompile`` stores
+    them."""
+    jobs = [(f"ep-combine-block_m{m}-rows{DEFAULT_EP_ROWS_PER_ITEM}",
+             ep_combine_key(arch, m, DEFAULT_EP_ROWS_PER_ITEM),
+             lambda m=m, **kw: build_ep_combine(m, DEFAULT_EP_ROWS_PER_ITEM, arch, **kw)) for m in block_ms]
+    jobs.append(("ep-complete", ep_complete_key(arch), lambda **kw: build_ep_complete(arch, **kw)))
+    for k in top_ks:
+        for ids in _ID_TYPES:
+            for out in _SUM_TYPES:
+                jobs.append((f"ep-token-sum-k{k}-{str(ids)[6:]}-{str(out)[6:]}", token_sum_key(arch, k, ids, out),
+                             lambda k=k, ids=ids, out=out, **kw: build_token_sum(k, ids, out, arch, **kw)))
+    return jobs
+
+
+def precompile(top_ks=EP_TOP_KS, *, arch: Optional[str] = None, cache_dir: Optional[str] = None) -> int:
+    """Store every EP kernel (``ep_kernel_jobs``) in the disk cache, without a
+    GPU, next to ``flashgemm.precompile``'s GEMMs; returns how many."""
+    from ..sm90.build import combine_block_ms
+    from ..sm90.heuristic import reachable_specs
+
+    arch = ensure_arch_env(arch or default_arch())
+    jobs = ep_kernel_jobs(arch, combine_block_ms(reachable_specs()), top_ks)
+    for _, key, make in jobs:
+        cache.store(key, make, cache_dir)
+    return len(jobs)
 
 
 def _check(name, t, dtype, shape, device):
