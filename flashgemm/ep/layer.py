@@ -147,10 +147,11 @@ class EpMoELayer:
         with torch.cuda.stream(side):
             combine(num_sms=self.combine_sms)
         main.wait_stream(side)
-        routing = d.routing
-        for t in (y, signals, err, d.masked_m, routing.src_rank, routing.src_token, routing.src_slot,
-                  routing.weight):
-            t.record_stream(side)
+        if not torch.cuda.is_current_stream_capturing():  # a captured graph joins the branches itself
+            routing = d.routing
+            for t in (y, signals, err, d.masked_m, routing.src_rank, routing.src_token, routing.src_slot,
+                      routing.weight):
+                t.record_stream(side)
         return finalize(buffers, topk_ids), err
 
     def __call__(self, x, topk_ids, topk_weights, *, x_scale=None, expected_m: Optional[int] = None,
