@@ -12,7 +12,7 @@ tokens' k rows. The tokens are checked against the all-gather reference
 (every form); each part's median time (CUDA events, after warm-up) and the
 whole layer's are printed by rank 0, with each overlapped form's speed-up
 over the sequential layer. ``--fail-rank R`` makes rank R skip its combine
-once, to show that every rank then raises instead of hanging.
+once, to show that every other rank then raises instead of hanging.
 
 Run as a plain ``python -m flashgemm.ep.demo`` it makes a world of one
 (symmetric memory with one rank: the combine writes into this GPU's own
@@ -53,7 +53,7 @@ def _args(argv):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--layers", type=int, default=0, help="then run this many back-to-back layers (hang test)")
     p.add_argument("--fail-rank", type=int, default=None,
-                   help="rank that skips its combine in one extra layer: every rank must raise, none hang")
+                   help="rank that skips its combine in one extra layer: every other rank must raise, none hang")
     p.add_argument("--drill-polls", type=int, default=20_000,
                    help="bound of each wait in the failure drill (the layers before it keep the default bound, "
                         "which must cover one rank compiling while the other waits)")
