@@ -311,8 +311,8 @@ def _run(args) -> int:
     _say(rank, f"    gate_up GEMM + SwiGLU                     {seq['up']:8.1f} us")
     _say(rank, f"    down GEMM alone (with signals)            {down:8.1f} us   {down_bytes / down / 1e3:6.0f} GB/s "
                f"({down_bytes / down / 1e3 / COPY_GBPS:4.0%} of copy)")
-    _say(rank, f"    combine kernel alone (all SMs)            {combine_us:8.1f} us   {remote * row_bytes / 1e6:.1f} MB "
-               f"to peers: {remote * row_bytes / combine_us / 1e3:.0f} GB/s against ~{NVLINK_GBPS:.0f} GB/s per "
+    _say(rank, f"    combine kernel alone (all SMs)            {combine_us:8.1f} us   "
+               f"{remote * row_bytes / 1e6:.1f} MB to peers: {remote * row_bytes / combine_us / 1e3:.0f} GB/s against ~{NVLINK_GBPS:.0f} GB/s per "
                f"direction (bound {remote * row_bytes / NVLINK_GBPS / 1e3:.1f} us)")
     _say(rank, f"    sum of each token's k rows                {sum_us:8.1f} us   "
                f"{buffers.recv[:args.tokens].numel() * 2 / sum_us / 1e3:.0f} GB/s of rows read")
