@@ -10,8 +10,9 @@ the whole layer.
     ``--top-k`` experts (E * expected_m / top_k tokens).
 (b) ``--suite layer``: ``moe.MaskedExperts`` on DeepSeek-V3 (EP8: 32 local
     experts, H 7168, I 2048) and Qwen3-235B (EP8: 16 local experts, H 4096,
-    I 1536) decode shapes with top-8 routing: gate_up, the activation, down
-    with the fused combine, each alone and the whole path in one CUDA graph,
+    I 1536) decode shapes with top-8 routing: gate_up, the activation, gate_up
+    with the activation fused (``moe.gate_up``), down with the fused combine,
+    each alone, and the whole path in one CUDA graph with either activation path,
     against the two GEMMs back to back in one graph (and against the sum of
     each GEMM timed alone, which keeps its inputs and output in L2).
 
@@ -115,7 +116,8 @@ def _sums_error(a, b, masked_m, tok, wt, num_tokens, n, em, scales):
 
 def layer_case(spec, fp8, seed, rounds, reps):
     from flashgemm.moe.activation import silu_mul
-    from flashgemm.moe.layer import MaskedExperts
+    from flashgemm.moe.gate_up import gate_up_swiglu
+    from flashgemm.moe.layer import ActivationPath, MaskedExperts
     from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token
 
     name, experts, e_local, hidden, inter, per_rank = spec
@@ -135,18 +137,22 @@ def layer_case(spec, fp8, seed, rounds, reps):
         x, xs = quantize_fp8_per_token(x)
         w13, s13 = quantize_fp8_per_block(w13)
         w2, s2 = quantize_fp8_per_block(w2)
-    layer = MaskedExperts(w13, w2, w13_scale=s13, w2_scale=s2)
+    layer = MaskedExperts(w13, w2, w13_scale=s13, w2_scale=s2, activation=ActivationPath.FUSED)
+    layer_sep = MaskedExperts(w13, w2, w13_scale=s13, w2_scale=s2, activation=ActivationPath.SEPARATE)
     combined = torch.zeros(num_tokens, hidden, device="cuda")
     combined_bf16 = torch.zeros(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
     gu = flashgemm.grouped_gemm_nt_masked(x, w13, None, masked_m, a_scale=xs, b_scale=s13, expected_m=em)
     act = silu_mul(gu, masked_m, fp8=fp8)
     h, hs = act if fp8 else (act, None)
+    h2, hs2 = (torch.empty_like(h), torch.empty_like(hs)) if fp8 else (torch.empty_like(h), None)
     y = torch.empty(e_local, max_m, hidden, device="cuda", dtype=torch.bfloat16)
     timed = {
         "gate_up_us": lambda: flashgemm.grouped_gemm_nt_masked(
             x, w13, gu, masked_m, a_scale=xs, b_scale=s13, expected_m=em),
         "act_us": lambda: silu_mul(gu, masked_m, fp8=fp8, out=h, out_scale=hs),
+        "gate_up_act_us": lambda: gate_up_swiglu(x, layer.w13, masked_m, x_scale=xs, w13_scale=layer.w13_scale,
+                                                 out=h2, out_scale=hs2, expected_m=em),
         "down_us": lambda: flashgemm.grouped_gemm_nt_masked(
             h, w2, y, masked_m, a_scale=hs, b_scale=s2, expected_m=em),
         "down_fused_us": lambda: flashgemm.grouped_gemm_nt_masked(
@@ -164,6 +170,8 @@ def layer_case(spec, fp8, seed, rounds, reps):
                                   combine=Combine(tok, wt, combined, err)),
         "layer_bf16_us": lambda: layer(x, masked_m, x_scale=xs, expected_m=em,
                                        combine=Combine(tok, wt, combined_bf16, err)),
+        "layer_sep_bf16_us": lambda: layer_sep(x, masked_m, x_scale=xs, expected_m=em,
+                                               combine=Combine(tok, wt, combined_bf16, err)),
     }
     samples = dict(zip(timed, time_graph_rounds(list(timed.values()), rounds=rounds, reps=reps)))
     rows = int(masked.sum())
@@ -176,8 +184,14 @@ def layer_case(spec, fp8, seed, rounds, reps):
                                         samples["gate_up_us"], samples["down_us"])
     r["layer_bf16_vs_gemms"] = paired_median(lambda l, a, d: l / (a + d), samples["layer_bf16_us"],
                                              samples["gate_up_us"], samples["down_us"])
+    r["layer_sep_bf16_vs_gemms"] = paired_median(lambda l, a, d: l / (a + d), samples["layer_sep_bf16_us"],
+                                                 samples["gate_up_us"], samples["down_us"])
+    r["fused_act_vs_separate"] = paired_median(lambda g, a, f: f / (g + a), samples["gate_up_us"],
+                                               samples["act_us"], samples["gate_up_act_us"])
     r["layer_vs_pair"] = paired_median(lambda l, p: l / p, samples["layer_us"], samples["gemms_us"])
     r["layer_bf16_vs_pair"] = paired_median(lambda l, p: l / p, samples["layer_bf16_us"], samples["gemms_us"])
+    r["layer_fused_vs_sep_bf16"] = paired_median(lambda f, s_: f / s_, samples["layer_bf16_us"],
+                                                 samples["layer_sep_bf16_us"])
     r["fused_vs_down"] = paired_median(lambda d, f: f / d, samples["down_us"], samples["down_fused_us"])
     r["fused_bf16_vs_down"] = paired_median(lambda d, f: f / d, samples["down_us"],
                                             samples["down_fused_bf16_us"])
@@ -185,6 +199,7 @@ def layer_case(spec, fp8, seed, rounds, reps):
     r["bytes"] = {
         "gate_up": nonempty * 2 * inter * hidden * elem + rows * hidden * elem + rows * 2 * inter * 2,
         "act": rows * 2 * inter * 2 + rows * inter * elem,
+        "gate_up_act": nonempty * 2 * inter * hidden * elem + rows * hidden * elem + rows * inter * elem,
         "down": nonempty * hidden * inter * elem + rows * inter * elem + rows * hidden * 2,
         "down_fused": nonempty * hidden * inter * elem + rows * inter * elem + rows * hidden * 4,
         "down_fused_bf16": nonempty * hidden * inter * elem + rows * inter * elem + rows * hidden * 2,
@@ -203,6 +218,22 @@ def fused_table(rows):
                      f"{r['fused_us']:.1f} | {r['fused_vs_gemm']:.3f} | {r['fused_bf16_us']:.1f} | "
                      f"{r['fused_bf16_vs_gemm']:.3f} | {r['bf16_sums_error']:.1e} | {r['two_stream_us']:.1f} | "
                      f"{r['two_stream_vs_gemm']:.3f} | {r['memset_us']:.1f} |")
+    return "\n".join(lines)
+
+
+def activation_table(rows):
+    lines = ["| dtype | layer | rows | gate_up (us) | act (us) | gate_up, then act: sum (us) | "
+             "gate_up with the act fused (us, GB/s) | fused / sum | whole path, act fused (us) | "
+             "whole path, act separate (us) | fused / separate | whole, act fused / (gate_up + down, each alone) | "
+             "whole, act separate / (gate_up + down, each alone) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        bw = r["bytes"]["gate_up_act"] / (r["gate_up_act_us"] * 1e3)
+        lines.append(
+            f"| {r['dtype']} | {r['case']} | {r['rows']} | {r['gate_up_us']:.1f} | {r['act_us']:.1f} | "
+            f"{r['gate_up_us'] + r['act_us']:.1f} | {r['gate_up_act_us']:.1f} ({bw:.0f}) | "
+            f"{r['fused_act_vs_separate']:.3f} | {r['layer_bf16_us']:.1f} | {r['layer_sep_bf16_us']:.1f} | "
+            f"{r['layer_fused_vs_sep_bf16']:.3f} | {r['layer_bf16_vs_gemms']:.3f} | {r['layer_sep_bf16_vs_gemms']:.3f} |")
     return "\n".join(lines)
 
 
@@ -255,7 +286,9 @@ def main():
     if result["fused"]:
         md += ["", "### Down GEMM with the combine fused", "", fused_table(result["fused"])]
     if result["layer"]:
-        md += ["", "### The expert path", "", layer_table(result["layer"])]
+        md += ["", "### The expert path", "", layer_table(result["layer"]),
+               "", "### The activation: fused into gate_up, or a kernel of its own (bf16 sums)", "",
+               activation_table(result["layer"])]
     text = "\n".join(md)
     print(text)
     if args.json:

@@ -371,7 +371,7 @@ class _LaunchPlan:
         self.fn(
             a, b, out, masked_m, dst_signals, a_scale, b_scale,
             None if self.counter_device is None else workspace.claim_counter(self.counter_device),
-            *(routing or _NO_ROUTING), self.num_ctas,
+            *(routing or _NO_ROUTING), None, self.num_ctas,
         )
         if routing:
             return routing[2], routing[3]  # (output, err)

@@ -74,15 +74,30 @@ class Epilogue(enum.Enum):
     # weight * row stored as bf16 into the receive buffer of its token's owner
     # rank (an NVLink peer address), no reduction: the owner sums its k rows
     COMBINE_PEERS = "combine_peers"
+    # gate_up with the SwiGLU activation fused: B is w13 interleaved in
+    # SWIGLU_GRANULE-row gate / up groups, and each tile leaves as h = silu(gate)
+    # * up, quantized 1x128 to fp8 (the cluster pair's row maxima exchanged) or bf16
+    SWIGLU_FP8 = "swiglu_fp8"
+    SWIGLU_BF16 = "swiglu_bf16"
 
     @property
     def combines(self) -> bool:
         """The fused combine: every row leaves weighted, one by one (a
         reduction into its token's row, or a store into its owner's buffer)."""
-        return self is not Epilogue.STORE
+        return self in (Epilogue.COMBINE, Epilogue.COMBINE_BF16, Epilogue.COMBINE_PEERS)
+
+    @property
+    def activates(self) -> bool:
+        """The fused SwiGLU: the tile leaves as the down projection's input."""
+        return self in (Epilogue.SWIGLU_FP8, Epilogue.SWIGLU_BF16)
 
 
 SIGNAL_MODES = (None, "m_block", "expert")
+# The fused SwiGLU: w13's gate and up rows interleaved in groups of this many,
+# so a SWIGLU_TILE_N-wide tile holds the gate and up columns of 64 h columns,
+# and a 2-CTA cluster the 128 of one fp8 scale block (docs/design.md)
+SWIGLU_GRANULE = 64
+SWIGLU_TILE_N = 2 * SWIGLU_GRANULE
 # Output staging: one bulk store per (tile_m x EPI_COLS) sub-tile.
 EPI_COLS = 32
 EPI_PAIR_BUFFERS = 2
@@ -271,5 +286,5 @@ class KernelSpec:
     epilogue: Epilogue = Epilogue.STORE
 
     def name(self) -> str:
-        tail = self.epilogue.value if self.epilogue.combines else self.signal_mode or "nosig"
+        tail = self.epilogue.value if self.epilogue is not Epilogue.STORE else self.signal_mode or "nosig"
         return f"{self.operands.value}-{self.config.short_name()}-{tail}"

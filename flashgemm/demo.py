@@ -4,9 +4,10 @@ decode step, checked against the float reference and timed stage by stage.
 On a Hopper GPU: DeepSeek-V3 with 8-way expert parallelism (32 local experts,
 H 7168, I 2048, top-8) at 128 and 256 tokens per rank, and Qwen3-235B-A22B
 (16 local experts, H 4096, I 1536) at 128, in block-scaled fp8. Each runs
-gate_up, SwiGLU + fp8 quantization and down with the combine fused into its
-epilogue, and the same path with the down GEMM storing its rows and the
-reference combine overlapped on 20 SMs. Times are CUDA-graph replays; the
+gate_up with SwiGLU + fp8 quantization fused into its epilogue, and down with
+the combine fused into its own; against the unfused path: gate_up, the
+activation kernel, and the down GEMM storing its rows with the reference
+combine overlapped on 20 SMs. Times are CUDA-graph replays; the
 bandwidth column counts the bytes each stage must move (valid rows only)
 over its time. A PNG of the stage times against their bandwidth floor goes
 to ``--png``. Without a GPU it says so, compiles the kernels (no launch) and
@@ -75,6 +76,7 @@ def _copy_gbps():
 def run_layer(spec, copy_gbps, seed):
     from . import Combine, grouped_gemm_nt_masked
     from .moe.activation import silu_mul
+    from .moe.gate_up import gate_up_swiglu
     from .moe.layer import MaskedExperts, moe_experts_ref
     from .overlap import run_gemm_and_combine
     from .quant import quantize_fp8_per_block, quantize_fp8_per_token
@@ -109,11 +111,15 @@ def run_layer(spec, copy_gbps, seed):
 
     gu = grouped_gemm_nt_masked(x, w13, None, masked_m, a_scale=xs, b_scale=s13, expected_m=em)
     h, hs = silu_mul(gu, masked_m)
+    h2, hs2 = torch.empty_like(h), torch.empty_like(hs)
     y = torch.empty(e_local, max_m, hidden, device="cuda", dtype=torch.bfloat16)
     stages = {
         "gate_up GEMM": lambda: grouped_gemm_nt_masked(x, w13, gu, masked_m, a_scale=xs, b_scale=s13,
                                                        expected_m=em),
         "SwiGLU + fp8 quant": lambda: silu_mul(gu, masked_m, out=h, out_scale=hs),
+        "gate_up GEMM + SwiGLU + quant, fused": lambda: gate_up_swiglu(
+            x, layer.w13, masked_m, x_scale=xs, w13_scale=layer.w13_scale, out=h2, out_scale=hs2,
+            expected_m=em),
         "down GEMM + fused combine": lambda: grouped_gemm_nt_masked(
             h, w2, None, masked_m, a_scale=hs, b_scale=s2, expected_m=em,
             combine=Combine(tok, wt, combined, err)),
@@ -133,10 +139,11 @@ def run_layer(spec, copy_gbps, seed):
     floor_bytes = {
         "gate_up GEMM": nonempty * 2 * inter * hidden + rows * hidden + rows * 2 * inter * 2,
         "SwiGLU + fp8 quant": rows * 2 * inter * 2 + rows * inter,
+        "gate_up GEMM + SwiGLU + quant, fused": nonempty * 2 * inter * hidden + rows * hidden + rows * inter,
         "down GEMM + fused combine": nonempty * hidden * inter + rows * inter,
         "down GEMM alone": nonempty * hidden * inter + rows * inter + rows * hidden * 2,
     }
-    floor_bytes["whole layer (fused)"] = floor_bytes["gate_up GEMM"] + floor_bytes["SwiGLU + fp8 quant"] \
+    floor_bytes["whole layer (fused)"] = floor_bytes["gate_up GEMM + SwiGLU + quant, fused"] \
         + floor_bytes["down GEMM + fused combine"]
     unfused = us["gate_up GEMM"] + us["SwiGLU + fp8 quant"] + us["down GEMM + combine, two streams"]
     print(f"\n{name}: {e_local} experts, {rows} rows (expected {em} per expert), {tokens} tokens, fp8")
@@ -145,7 +152,7 @@ def run_layer(spec, copy_gbps, seed):
     for k, t in us.items():
         gbps = floor_bytes[k] / (t * 1e3) if k in floor_bytes else None
         bw = f"{gbps:6.0f} GB/s ({100 * gbps / copy_gbps:3.0f}% of copy)" if gbps else ""
-        print(f"  {k:34s} {t:8.1f} us  {bw}")
+        print(f"  {k:38s} {t:8.1f} us  {bw}")
     print(f"  unfused path (gate_up + act + two-stream down/combine): {unfused:.1f} us; fused layer "
           f"{us['whole layer (fused)']:.1f} us; unfused / fused = {unfused / us['whole layer (fused)']:.2f}")
     return ok, name, us, {k: b / (copy_gbps * 1e3) for k, b in floor_bytes.items()}
@@ -160,13 +167,14 @@ def _plot(results, path):
     except ImportError:
         print(f"(matplotlib not installed: no {path})")
         return
-    keys = ["gate_up GEMM", "SwiGLU + fp8 quant", "down GEMM + fused combine", "whole layer (fused)"]
+    keys = ["gate_up GEMM", "SwiGLU + fp8 quant", "gate_up GEMM + SwiGLU + quant, fused", "down GEMM + fused combine",
+            "whole layer (fused)"]
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
     for ax, (name, us, floor) in zip(axes[0], results):
         pos = range(len(keys))
         ax.bar([p - 0.2 for p in pos], [us[k] for k in keys], 0.4, label="measured")
         ax.bar([p + 0.2 for p in pos], [floor[k] for k in keys], 0.4, label="bytes / copy bandwidth")
-        ax.set_xticks(list(pos), ["gate_up", "act+quant", "down+combine", "layer"])
+        ax.set_xticks(list(pos), ["gate_up", "act+quant", "gate_up+act", "down+combine", "layer"], fontsize=8)
         ax.set_title(name, fontsize=9)
         ax.set_ylabel("us")
         ax.legend(fontsize=8)

@@ -23,6 +23,8 @@ PTX_FEATURES = {
     # addresses); a STORE kernel's partial-tile stores load no address
     "combine-peer-store": re.compile(r"ld\.global\.b64\s.*?st\.global\.v4\.b32\s", re.S),
     "fp8-cvt": "cvt.rn.satfinite.e4m3x2.f32",
+    # the fused fp8 SwiGLU's row maxima into the cluster peer (the dynamic order's feed uses it too)
+    "dsmem-exchange": "st.async.shared::cluster.mbarrier::complete_tx::bytes",
     # the EP completion handshake: counts into the peers, waits on their counts
     "sys-release": "red.release.sys.global.add.s32",
     "sys-acquire": "ld.acquire.sys.global",
@@ -126,7 +128,9 @@ def sm90_ok(spec, feats) -> bool:
     """What an sm_90 GEMM's PTX must show: wgmma and TMA loads, the signal
     sequence when signalled, and the fused combine's reductions (of the
     output's dtype), or its stores into the peers' buffers, instead of bulk
-    stores (and no other combine's)."""
+    stores (and no other combine's); the fused SwiGLU's stores from
+    registers (no bulk stores, no reductions), the fp8 one's fp8 conversion
+    and row-maximum exchange with the cluster peer."""
     ok = "wgmma" in feats and "tma-load" in feats
     if spec.signal_mode is not None:
         ok &= "signal-publish" in feats
@@ -134,6 +138,10 @@ def sm90_ok(spec, feats) -> bool:
         send = COMBINE_FEATURE[spec.epilogue.value]
         others = set(COMBINE_FEATURE.values()) - {send}
         ok &= send in feats and "tma-store" not in feats and not others & set(feats)
+    if spec.epilogue.activates:
+        fp8 = spec.epilogue.value == "swiglu_fp8"
+        ok &= "tma-store" not in feats and not set(COMBINE_FEATURE.values()) & set(feats)
+        ok &= not fp8 or {"dsmem-exchange", "fp8-cvt"} <= set(feats)
     return ok
 
 

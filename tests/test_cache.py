@@ -231,7 +231,7 @@ print(json.dumps({"compiles": cache.compile_count, "loads": diskcache.load_count
     assert len(split) == 6
     assert not any(s.signal_mode for s in specs if (s.config, s.operands) in split)
     assert got == {"compiles": 0, "loads": total}
-    assert len(specs) == 156 and block_ms == [64, 128, 192]
+    assert len(specs) == 172 and block_ms == [64, 128, 192]
 
 
 def test_source_digest_follows_the_code(tmp_path):

@@ -23,6 +23,7 @@ from flashgemm.sm90.heuristic import (
     MID_192_CONFIG,
     MID_CONFIG,
     PREFILL_CONFIG,
+    choose_activation_config,
     choose_config,
     reachable_specs,
 )
@@ -138,8 +139,9 @@ def test_short_name_distinguishes_configs():
     assert len(fp8_names) == len(FP8_CONFIGS)
     # one name per kernel
     specs = reachable_specs()
-    # 78 stores; 26 fused combines into fp32, 26 into bf16 and 26 into the peers' receive buffers
-    assert len({s.name() for s in specs}) == len(specs) == 156
+    # 78 stores; 26 fused combines into fp32, 26 into bf16 and 26 into the peers'
+    # receive buffers; 16 gate_up kernels with the SwiGLU fused
+    assert len({s.name() for s in specs}) == len(specs) == 172
     base = GemmConfig().short_name()
     for changes in (
         dict(l2_hints=True), dict(order=TileOrder.N_MAJOR), dict(order=TileOrder.DYNAMIC),
@@ -363,7 +365,8 @@ SWEEP_EXPERTS = (None, 1, 2, 4, 8, 16, 32, 64, 256)
 def test_heuristic_sweep_yields_exactly_the_reachable_specs():
     """choose_config over a grid that crosses every regime edge: the kernels
     it picks (no signal mode without signals, either granularity with them,
-    the fused-combine epilogue with combine) are exactly
+    the fused-combine epilogue with combine), and the fused-SwiGLU gate_up
+    kernels ``choose_activation_config`` picks, are exactly
     ``reachable_specs()``, which precompile builds."""
     got = set()
     calls = 0
@@ -376,9 +379,13 @@ def test_heuristic_sweep_yields_exactly_the_reachable_specs():
                                 combine=use == "combine")
             got |= _specs(ops, cfg, use)
             calls += 1
+        if not (fp8 and num_sms < 2):  # (an fp8 fused SwiGLU runs 2-CTA clusters)
+            act = choose_activation_config(m, max_m, n, k, num_sms, fp8, e)
+            got.add(KernelSpec(act, ops, None, Epilogue.SWIGLU_FP8 if fp8 else Epilogue.SWIGLU_BF16))
     assert calls > 100_000
     want = set(reachable_specs())
-    assert len(want) == len(reachable_specs()) == 156
+    assert len(want) == len(reachable_specs()) == 172
+    assert sum(s.epilogue.activates for s in want) == 16
     assert sum(s.epilogue is Epilogue.COMBINE for s in want) == 26
     assert sum(s.epilogue is Epilogue.COMBINE_BF16 for s in want) == 26
     assert sum(s.epilogue is Epilogue.COMBINE_PEERS for s in want) == 26

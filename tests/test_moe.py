@@ -267,3 +267,82 @@ def test_deep_gemm_compat_maps_arguments(monkeypatch):
     with pytest.raises(ValueError, match="needs 64-row signal blocks.*sm_100"):
         dg.m_grouped_fp8_gemm_nt_masked((a, "sfa"), (b, "sfb"), "d", "mm", 128, enable_overlap=True,
                                         signal="sig")
+
+
+def test_interleave_w13_pairs_gate_and_up_groups_and_inverts():
+    from flashgemm.moe.gate_up import deinterleave_w13, interleave_w13
+
+    e_count, inter, hidden = 2, 256, 128
+    w13 = torch.randn(e_count, 2 * inter, hidden).to(torch.float8_e4m3fn)
+    scale = torch.rand(e_count, 2 * inter // 128, hidden // 128)
+    wi, si = interleave_w13(w13, scale)
+    assert si.shape == (e_count, 2 * inter // 64, hidden // 128)
+    for j in range(2 * inter // 64):  # group j: gate (even) or up (odd) rows of h columns 64 * (j // 2) on
+        src = (j % 2) * inter + (j // 2) * 64
+        assert torch.equal(wi[:, 64 * j:64 * j + 64].view(torch.uint8), w13[:, src:src + 64].view(torch.uint8))
+        assert torch.equal(si[:, j], scale[:, src // 128])
+    back, back_scale = deinterleave_w13(wi, si)
+    assert torch.equal(back.view(torch.uint8), w13.view(torch.uint8)) and torch.equal(back_scale, scale)
+    with pytest.raises(ValueError, match="I a positive multiple of 128"):
+        interleave_w13(w13[:, :192], scale)
+    with pytest.raises(ValueError, match=r"w13_scale must be \(E, 2I/128, ceil\(H/128\)\)"):
+        interleave_w13(w13, scale[:, :2])
+    with pytest.raises(ValueError, match="w13_scale is only for float8_e4m3fn"):
+        interleave_w13(torch.zeros(2, 256, 64, dtype=torch.bfloat16), scale)
+
+
+def test_gate_up_swiglu_checks_before_launch():
+    from flashgemm.moe.gate_up import gate_up_swiglu, interleave_w13
+
+    x, xs = quantize_fp8_per_token(torch.randn(2, 16, 256))
+    w13, s13 = quantize_fp8_per_block(torch.randn(2, 256, 256))
+    wi, si = interleave_w13(w13, s13)
+    mm = torch.tensor([3, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"w13_scale must be the interleaved scales \(E, 2I/64"):
+        gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=s13)  # the checkpoint's scales
+    with pytest.raises(TypeError, match="w13 must have dtype"):
+        gate_up_swiglu(x, wi.to(torch.bfloat16), mm, x_scale=xs, w13_scale=si)
+    with pytest.raises(ValueError, match="x_scale|a_scale"):
+        gate_up_swiglu(x, wi, mm, w13_scale=si)
+    h = torch.empty(2, 16, 64, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="pass both out and out_scale"):
+        gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=si, out=h)
+    with pytest.raises(ValueError, match=r"out must be \(2, 16, 128\)"):
+        gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=si, out=h, out_scale=torch.empty(2, 16, 1))
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=si)
+
+
+@pytest.mark.parametrize("cfg, ops, epilogue", [
+    (H.FP8_DECODE_CONFIG, Operands.FP8_BLOCK, Epilogue.SWIGLU_FP8),
+    (H.FP8_MID_CONFIG, Operands.FP8_BLOCK, Epilogue.SWIGLU_FP8),
+    (H.MID_192_N128_CONFIG, Operands.BF16, Epilogue.SWIGLU_BF16),
+], ids=["fp8-decode", "fp8-mid", "bf16-192"])
+def test_fused_swiglu_ptx(cfg, ops, epilogue):
+    ptx = build(KernelSpec(cfg, ops, None, epilogue), "sm_90a", keep_ptx=True).__ptx__
+    assert "cp.async.bulk.tensor.3d.global.shared::cta" not in ptx  # h leaves from registers, not gate_up
+    assert not re.search(r"(?<![.\w])red\.", ptx)  # no combine reductions, no signals
+    assert ".local" not in ptx
+    assert "div.rn.f32" not in ptx or ptx.count("div.rn.f32") <= 2  # reciprocals: at most 1 / scale per row
+    assert "rcp.approx.ftz.f32" in ptx and "ex2.approx" in ptx
+    if epilogue is Epilogue.SWIGLU_FP8:
+        # each quad's lane 0 sends its two rows' maxima into the peer CTA
+        assert ptx.count("st.async.shared::cluster.mbarrier::complete_tx::bytes") >= 2
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+        assert ptx.count("st.global.b16") >= 16  # two fp8 of h per store
+    else:
+        assert "e4m3" not in ptx.split("wgmma")[0] and ptx.count("st.global.b32") >= 16
+
+
+def test_activation_config_rules():
+    for fp8 in (False, True):
+        for em in (8, 32, 100, 200, 1024):
+            cfg = H.choose_activation_config(em, 4096, 4096, 7168, 132, fp8, 32)
+            assert cfg.tile_n == 128 and cfg.tail.name != "SPLIT" and cfg.staging is Staging.PAIR
+            assert cfg.cluster_n == 2 or not fp8
+    from flashgemm.sm90.limits import check_config
+
+    with pytest.raises(ValueError, match="config.tile_n must be 128 with Epilogue.SWIGLU_FP8"):
+        check_config(H.FP8_DECODE_N64_CONFIG, Operands.FP8_BLOCK, Epilogue.SWIGLU_FP8)
+    with pytest.raises(ValueError, match="needs fp8 operands and config.cluster_n=2"):
+        check_config(H.FP8_DECODE_CONFIG.replace(cluster_n=1), Operands.FP8_BLOCK, Epilogue.SWIGLU_FP8)

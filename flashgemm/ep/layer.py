@@ -31,7 +31,6 @@ import torch
 from ..api import grouped_gemm_nt_masked, signal_layout
 from ..routing import Combine
 from ..jit.arch import device_facts
-from ..moe.activation import silu_mul
 from ..moe.layer import MaskedExperts
 from ..signals import alloc_signals
 from .buffers import TokenBuffers
@@ -98,13 +97,8 @@ class EpMoELayer:
                         max_tokens_per_rank=self.buffers.max_tokens, max_m=max_m, group=self.group)
 
     def up(self, d: Dispatched, expected_m: Optional[int] = None):
-        """gate_up GEMM and SwiGLU on every SM: (h, h_scale)."""
-        ex = self.experts
-        gate_up = grouped_gemm_nt_masked(d.x, ex.w13, None, d.masked_m, a_scale=d.x_scale,
-                                         b_scale=ex.w13_scale, expected_m=expected_m)
-        if ex.fp8:
-            return silu_mul(gate_up, d.masked_m, fp8=True)
-        return silu_mul(gate_up, d.masked_m, fp8=False), None
+        """gate_up GEMM and SwiGLU on every SM (the experts' activation path): (h, h_scale)."""
+        return self.experts.up(d.x, d.masked_m, x_scale=d.x_scale, expected_m=expected_m)
 
     def down_and_combine(self, d: Dispatched, h, h_scale, topk_ids, *, form: CombineForm = CombineForm.FUSED,
                          expected_m: Optional[int] = None, err: Optional[torch.Tensor] = None):

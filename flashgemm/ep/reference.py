@@ -65,16 +65,17 @@ def ep_layer_ref(experts: MaskedExperts, x: torch.Tensor, topk_ids: torch.Tensor
         layout_s = layout_s.view(e_local, max_m, -1)
     token_index = torch.where(routing.src_rank >= 0, routing.src_rank * num_tokens + routing.src_token, 0)
     out = torch.zeros(world * num_tokens, hidden, dtype=torch.float32, device=x.device)
+    w = experts.checkpoint_weights()
     for e0 in range(0, e_local, EXPERTS_PER_CHUNK):
         e1 = min(e_local, e0 + EXPERTS_PER_CHUNK)
         if int(rp.masked_m[e0:e1].sum()) == 0:
             continue
         pick = slice(e0, e1)
         out += moe_experts_ref(
-            layout[pick], rp.masked_m[pick], experts.w13[pick], experts.w2[pick],
+            layout[pick], rp.masked_m[pick], w["w13"][pick], w["w2"][pick],
             x_scale=None if layout_s is None else layout_s[pick],
-            w13_scale=None if experts.w13_scale is None else experts.w13_scale[pick],
-            w2_scale=None if experts.w2_scale is None else experts.w2_scale[pick],
+            w13_scale=None if w["w13_scale"] is None else w["w13_scale"][pick],
+            w2_scale=None if w["w2_scale"] is None else w["w2_scale"][pick],
             token_index=token_index[pick].to(torch.int32), weight=routing.weight[pick],
             num_tokens=world * num_tokens,
         )

@@ -16,8 +16,8 @@ from cutlass import Float32, Int32
 
 from ..schedule.walker import MaskedTileScheduler
 
-FP8_MAX = 448.0
-MIN_AMAX = 1e-10  # an all-zero block still gets a finite scale (as quant.py)
+from .swiglu import FP8_MAX, MIN_AMAX, quantize, swiglu
+
 THREADS = 256
 VEC = 8  # bf16 elements per 16-byte load
 LANES_PER_BLOCK = 128 // VEC  # 16 lanes cover one 128-column scale block
@@ -71,6 +71,8 @@ class SiluMulQuant:
         pieces_per_row = (chunks + 31) // 32  # a warp piece: 256 columns (the last may be half)
         gate = cute.make_rmem_tensor((VEC,), mGU.element_type)
         up = cute.make_rmem_tensor((VEC,), mGU.element_type)
+        g32 = cute.make_rmem_tensor((VEC,), Float32)
+        u32 = cute.make_rmem_tensor((VEC,), Float32)
         hv = cute.make_rmem_tensor((VEC,), Float32)
         # gate_up's rows are final once the grid before this one has finished;
         # the next grid (the down GEMM) waits for this one's end the same way
@@ -91,8 +93,9 @@ class SiluMulQuant:
                 row = row0 + r
                 cute.autovec_copy(cute.local_tile(mGU[e, row, None], (VEC,), (src,)), gate)
                 cute.autovec_copy(cute.local_tile(mGU[e, row, None], (VEC,), (src + chunks,)), up)
-                g = gate.load().to(Float32)
-                hv.store(g * up.load().to(Float32) / (1.0 + cute.math.exp(-g)))
+                g32.store(gate.load().to(Float32))
+                u32.store(up.load().to(Float32))
+                swiglu(g32, u32, hv)
                 dst = cute.local_tile(mOut[e, row, None], (VEC,), (src,))
                 if cutlass.const_expr(self.fp8):
                     amax = Float32(MIN_AMAX)
@@ -102,7 +105,7 @@ class SiluMulQuant:
                         amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, off))
                     scale = amax / FP8_MAX
                     q = cute.make_rmem_tensor((VEC,), mOut.element_type)
-                    q.store((hv.load() / scale).to(mOut.element_type))
+                    quantize(hv, 1.0 / scale, q)
                     if inside:
                         cute.autovec_copy(q, dst)
                         if lane % LANES_PER_BLOCK == 0:

@@ -5,7 +5,8 @@ After a dispatch, ``x[e, :m_e]`` holds the tokens routed to local expert e.
 
 1. gate_up: ``gu = x @ w13.T`` (masked grouped GEMM, bf16 out),
 2. SwiGLU: ``h = silu(gu[..., :I]) * gu[..., I:]``, quantized to 1x128 fp8
-   for an fp8 layer (``activation``),
+   for an fp8 layer: in the gate_up GEMM's epilogue (``ActivationPath.FUSED``,
+   ``gate_up``), or by a kernel of its own (``SEPARATE``, ``activation``),
 3. down: ``y = h @ w2.T``, with the combine fused into its epilogue
    (``output[token_index[e, r]] += weight[e, r] * y[e, r]``), or with
    completion signals for an external combine, or stored plainly.
@@ -15,6 +16,7 @@ Everything stays on the GPU: no host sync, CUDA-graph capturable.
 
 from __future__ import annotations
 
+import enum
 from typing import Optional
 
 import torch
@@ -22,8 +24,16 @@ import torch
 from ..api import grouped_gemm_nt_masked
 from ..routing import Combine
 from .activation import silu_mul
+from .gate_up import deinterleave_w13, gate_up_swiglu, interleave_w13
 
 FP8 = torch.float8_e4m3fn
+
+
+class ActivationPath(enum.Enum):
+    """Where the SwiGLU runs (both give the same h: docs/design.md)."""
+
+    FUSED = "fused"  # in the gate_up GEMM's epilogue: gate_up never reaches memory (sm_90)
+    SEPARATE = "separate"  # the gate_up GEMM stores gate_up, then the activation kernel
 
 
 class MaskedExperts:
@@ -32,10 +42,16 @@ class MaskedExperts:
     w13: [E, 2I, H], the gate projection's I rows then the up projection's;
     w2: [E, H, I]. fp8 e4m3 with 128x128 block scales (``w13_scale`` [E,
     2I/128, H/128], ``w2_scale`` [E, H/128, I/128]: DeepSeek-V3's recipe), or
-    bf16 without scales. I must be a multiple of 128 for fp8 (8 for bf16).
+    bf16 without scales. I must be a multiple of 128 for fp8 (8 for bf16;
+    64 for ``ActivationPath.FUSED``).
+
+    ``activation``: an :class:`ActivationPath`. FUSED keeps w13 (and its
+    scales) interleaved in 64-row gate / up groups (``gate_up.interleave_w13``,
+    done here once), in place of the checkpoint layout.
     """
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, w13_scale=None, w2_scale=None):
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, w13_scale=None, w2_scale=None,
+                 activation: ActivationPath = ActivationPath.FUSED):
         for name, w in (("w13", w13), ("w2", w2)):
             if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype not in (FP8, torch.bfloat16):
                 raise TypeError(f"{name} must be a 3-D float8_e4m3fn or bfloat16 tensor, got "
@@ -51,9 +67,22 @@ class MaskedExperts:
             raise ValueError("fp8 weights need w13_scale and w2_scale (128x128 block scales)")
         if not self.fp8 and (w13_scale is not None or w2_scale is not None):
             raise ValueError("block scales are only for fp8 weights")
+        if not isinstance(activation, ActivationPath):
+            raise TypeError(f"activation must be a flashgemm.moe.ActivationPath, got {activation!r}")
+        self.activation = activation
+        if activation is ActivationPath.FUSED:
+            w13, w13_scale = interleave_w13(w13, w13_scale)
         self.w13, self.w2 = w13, w2
         self.w13_scale, self.w2_scale = w13_scale, w2_scale
         self.num_experts, self.hidden, self.intermediate = e_count, hidden, two_i // 2
+
+    def checkpoint_weights(self) -> dict:
+        """w13, w2, w13_scale, w2_scale in the checkpoint layout (a copy of
+        w13 for ``ActivationPath.FUSED``): what the float references take."""
+        w13, w13_scale = self.w13, self.w13_scale
+        if self.activation is ActivationPath.FUSED:
+            w13, w13_scale = deinterleave_w13(w13, w13_scale)
+        return dict(w13=w13, w2=self.w2, w13_scale=w13_scale, w2_scale=self.w2_scale)
 
     def __call__(
         self,
@@ -75,20 +104,34 @@ class MaskedExperts:
         layout)`` as ``grouped_gemm_nt_masked`` does, for a combine that
         polls. Otherwise it returns y [E, max_m, H] bf16 (rows >= m_e unwritten).
         """
-        if x.shape[0] != self.num_experts or x.shape[-1] != self.hidden:
-            raise ValueError(f"x must be [E={self.num_experts}, max_m, H={self.hidden}], got {tuple(x.shape)}")
-        gate_up = grouped_gemm_nt_masked(
-            x, self.w13, None, masked_m, a_scale=x_scale, b_scale=self.w13_scale,
-            expected_m=expected_m, num_sms=num_sms,
-        )
-        if self.fp8:
-            h, h_scale = silu_mul(gate_up, masked_m, fp8=True, num_sms=num_sms)
-        else:
-            h, h_scale = silu_mul(gate_up, masked_m, fp8=False, num_sms=num_sms), None
+        h, h_scale = self.up(x, masked_m, x_scale=x_scale, expected_m=expected_m, num_sms=num_sms)
         return grouped_gemm_nt_masked(
             h, self.w2, None, masked_m, a_scale=h_scale, b_scale=self.w2_scale, expected_m=expected_m,
             num_sms=num_sms, combine=combine, dst_signals=dst_signals,
         )
+
+    def up(self, x: torch.Tensor, masked_m: torch.Tensor, *, x_scale: Optional[torch.Tensor] = None,
+           expected_m: Optional[int] = None, num_sms: Optional[int] = None):
+        """gate_up and the SwiGLU (by ``self.activation``): the down GEMM's
+        input (h, h_scale), h_scale None for bf16."""
+        if x.shape[0] != self.num_experts or x.shape[-1] != self.hidden:
+            raise ValueError(f"x must be [E={self.num_experts}, max_m, H={self.hidden}], got {tuple(x.shape)}")
+        h_scale = None
+        if self.activation is ActivationPath.FUSED:
+            h = gate_up_swiglu(x, self.w13, masked_m, x_scale=x_scale, w13_scale=self.w13_scale,
+                               expected_m=expected_m, num_sms=num_sms)
+            if self.fp8:
+                h, h_scale = h
+        else:
+            gate_up = grouped_gemm_nt_masked(
+                x, self.w13, None, masked_m, a_scale=x_scale, b_scale=self.w13_scale,
+                expected_m=expected_m, num_sms=num_sms,
+            )
+            if self.fp8:
+                h, h_scale = silu_mul(gate_up, masked_m, fp8=True, num_sms=num_sms)
+            else:
+                h = silu_mul(gate_up, masked_m, fp8=False, num_sms=num_sms)
+        return h, h_scale
 
 
 def moe_experts_ref(

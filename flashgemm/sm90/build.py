@@ -72,14 +72,35 @@ def _fake_args(ab_dtype, out_dtype, sum_dtype=None):
     return a, b, d, masked_m, signals, sfa, sfb, routing
 
 
+def _fake_act_out(epilogue: Epilogue):
+    """The fused SwiGLU's h (E, max_m, I) (fp8 or bf16) and, for fp8, its
+    (E, max_m, I/128) fp32 scales, M contiguous: the down GEMM's a / a_scale."""
+    import cutlass
+    import cutlass.cute as cute
+
+    def ld(dtype):
+        return cute.sym_int64(divisibility=128 // dtype.width)
+
+    fake = cute.runtime.make_fake_tensor
+    e, m, i = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    out_t = cutlass.Float8E4M3FN if epilogue is Epilogue.SWIGLU_FP8 else cutlass.BFloat16
+    h = fake(out_t, (e, m, i), (ld(out_t), ld(out_t), 1), assumed_align=16)
+    scale = None
+    if epilogue is Epilogue.SWIGLU_FP8:
+        f32 = cutlass.Float32
+        scale = fake(f32, (e, m, cute.sym_int()), (ld(f32), 1, ld(f32)), assumed_align=16)
+    return h, scale
+
+
 def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, trace: bool = False):
     """Compile one kernel (no caching). Returns the TVM-FFI callable
     ``fn(a, b, out, masked_m, signals, a_scale, b_scale, counter, token_idx,
-    weight, combined, err, peers, num_ctas)`` (``signals`` is None without a
+    weight, combined, err, peers, out_scale, num_ctas)`` (``signals`` is None without a
     signal mode; the scales are None for bf16; ``counter``, an int32 (2,)
     workspace that is zero between launches, only for the dynamic order, else
     None; ``out`` None and the routing tensors given only for the fused
-    combine, ``peers`` only for ``Epilogue.COMBINE_PEERS``); with ``keep_ptx`` its ``__ptx__``
+    combine, ``peers`` only for ``Epilogue.COMBINE_PEERS``; with the fused
+    SwiGLU ``out`` is h and ``out_scale`` its fp8 scales); with ``keep_ptx`` its ``__ptx__``
     holds the generated PTX. ``trace``: a development build whose
     ``signals`` argument is a ``flashgemm.trace`` timeline buffer (never cached)."""
     arch = ensure_arch_env(arch)
@@ -95,6 +116,9 @@ def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, 
     bf16_rows = spec.epilogue in (Epilogue.COMBINE_BF16, Epilogue.COMBINE_PEERS)
     a, b, d, masked_m, signals, sfa, sfb, routing = _fake_args(
         ab_t, out_t, cutlass.BFloat16 if bf16_rows else cutlass.Float32)
+    d_scale = None
+    if spec.epilogue.activates:
+        d, d_scale = _fake_act_out(spec.epilogue)
     if spec.epilogue.combines:
         d = None
         if spec.epilogue is not Epilogue.COMBINE_PEERS:
@@ -110,7 +134,7 @@ def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, 
         counter = cute.runtime.make_fake_tensor(cutlass.Int32, (CLAIM_COUNTER_INTS,), (1,), assumed_align=4)
     with compile_options(keep_ptx) as options:
         fn = cute.compile(
-            gemm, a, b, d, masked_m, signals, sfa, sfb, counter, *routing, cutlass.Int32(1),
+            gemm, a, b, d, masked_m, signals, sfa, sfb, counter, *routing, d_scale, cutlass.Int32(1),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options=options,
         )

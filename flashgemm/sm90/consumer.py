@@ -46,11 +46,12 @@ class Consumer:
     def run(
         self, tidx, warp_group_idx, tiled_mma, smem: ConsumerSmem, gD_mem, out_dtype, epi_barriers,
         walk_args, feed, balance, ab_pipeline, sig_pipeline, k_tile_cnt, n_total, mTrace, trace_base,
-        combine=None,
+        combine=None, act=None,
     ):
         """Every tile's mainloop and epilogue on this warpgroup.
         ``epi_barriers``: (epilogue barrier, consumer barrier, handoff or None);
-        ``combine``: the ``epilogue.CombineTarget`` of the fused combine."""
+        ``combine``: the ``epilogue.CombineTarget`` of the fused combine;
+        ``act``: the ``act_epilogue.ActTarget`` of the fused SwiGLU."""
         tile_mn = (self.tile_mnk[0], self.tile_mnk[1])
         consumer_tidx = tidx - 128
         thr_mma = tiled_mma.get_slice(consumer_tidx)
@@ -84,13 +85,13 @@ class Consumer:
         epi = TileEpilogue(
             tiled_mma, accumulators, smem.sD, gD_mem, tile_mn, out_dtype, consumer_tidx,
             epi_barrier, consumer_barrier, self.config.epi_tile,
-            None if handoff is None else (handoff, warp_group_idx - 1), combine,
+            None if handoff is None else (handoff, warp_group_idx - 1), combine, act,
         )
         sched, used = start_walk(self.config, walk_args, feed, None, balance)
         work = sched.work()
         read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.shape.stages)
         release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.shape.stages)
-        tile_count = Int32(0)  # (read by trace builds only)
+        tile_count = Int32(0)  # (read by trace builds and the fused SwiGLU)
         sig_state = None
         if cutlass.const_expr(sig_pipeline is not None):
             sig_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SIGNAL_STAGES)
@@ -113,7 +114,7 @@ class Consumer:
                     mTrace[trace_base + tr.TILE0 + 2 * tile_count] = cute.arch.globaltimer_lo()
             sig_state = epi.store(
                 work.expert, work.m_block, work.n_block, work.valid_rows, n_total,
-                sig_pipeline, sig_state, work.half,
+                sig_pipeline, sig_state, work.half, tile_count,
             )
             if cutlass.const_expr(mTrace is not None):
                 if consumer_tidx == 0 and tile_count < tr.MAX_TILES:
@@ -132,7 +133,7 @@ class Consumer:
         if cutlass.const_expr(self.shape.block_scaled):
             read_state = consume_tile_blockscaled(
                 mma, read_state, accumulators, products, k_tile_cnt, work.n_block, self.tile_mnk[1],
-                self.config.promotion,
+                self.config.promotion, self.shape.weight_scale_rows,
             )
         else:
             read_state, release_state = consume_tile(

@@ -38,6 +38,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Int64
 from cutlass.tensor_utils.layout import LayoutEnum
 
+from .act_epilogue import SwigluEpilogue
+
 # stages of the partial-tile signal handoff (consumers -> store warp): with
 # two, the consumers wait only if, when they finish tile t + 2, the store
 # warp has not yet taken tile t (it takes each one as soon as it is handed over)
@@ -86,9 +88,14 @@ class TileEpilogue(_NoLoopState):
         epi_tile: tuple,
         handoff=None,  # Staging.WHOLE_TILE: (barriers.WarpgroupHandoff, this warpgroup's index)
         combine=None,  # the fused combine: a CombineTarget
+        act=None,  # the fused SwiGLU: an act_epilogue.ActTarget
     ):
         self.accumulators = accumulators
         self.combine = combine
+        self.act = None
+        if act is not None:
+            self.act = SwigluEpilogue(act, tiled_mma.get_slice(consumer_tidx), accumulators, tile_mn,
+                                      consumer_tidx, consumer_barrier.num_threads // 128)
         self.whole_tile = handoff is not None
         if self.whole_tile:
             self.free_barrier = handoff[0].free(handoff[1])
@@ -136,8 +143,12 @@ class TileEpilogue(_NoLoopState):
         sig_pipeline,  # PipelineAsync of the partial-tile handoff, or None without signals
         sig_state,  # its producer state (None without signals)
         half=None,  # Tail.SPLIT builds: WorkTile.half
+        tile_count=None,  # the fused SwiGLU: tiles this thread stored before
     ):
         """Store one tile; returns the advanced signal-pipeline state."""
+        if cutlass.const_expr(self.act is not None):
+            self.act.store(expert, m_block, n_block, valid_rows, tile_count)
+            return sig_state
         full, row_lo, row_hi = tile_rows(valid_rows, half, self.tile_mn[0])
         if cutlass.const_expr(self.combine is not None):
             # every tile leaves row by row, reduce-added into its tokens' rows

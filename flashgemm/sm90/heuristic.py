@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from ..config import (
     SIGNAL_MODES,
+    SWIGLU_TILE_N,
     Epilogue,
     GemmConfig,
     KernelSpec,
@@ -243,9 +244,34 @@ def choose_config(
     return _finish(cfg, fp8, hint, signals and not combine, num_sms < cfg.cluster_n, combine)
 
 
+def activation_config(cfg: GemmConfig, fp8: bool) -> GemmConfig:
+    """The fused SwiGLU's version of a pick (``limits.check_activation_config``):
+    SWIGLU_TILE_N wide (a 64-wide pick's rounds double: measured in
+    docs/design.md), no split tail, pair staging, and for fp8 a 2-CTA
+    cluster (each row's scale spans the pair)."""
+    cfg = cfg.replace(tile_n=SWIGLU_TILE_N, staging=Staging.PAIR)
+    if cfg.tail is Tail.SPLIT:
+        cfg = cfg.replace(tail=Tail.BALANCE if fp8 else Tail.NONE)
+    if cfg.promotion is Promotion.TWO_PARTS:
+        cfg = cfg.replace(promotion=Promotion.OVERLAPPED)
+    if fp8:
+        cfg = cfg.replace(cluster_n=2)
+    return cfg
+
+
+def choose_activation_config(
+    expected_m: Optional[int], max_m: int, n: int, k: int, num_sms: int, fp8: bool, num_experts: Optional[int]
+) -> GemmConfig:
+    """The fused SwiGLU gate_up's configuration (n = 2I, k = H): the plain
+    pick made SWIGLU_TILE_N wide. An fp8 one needs num_sms >= 2."""
+    cfg = choose_config(expected_m, max_m, n, k, max(num_sms, 2) if fp8 else num_sms, fp8, num_experts)
+    return activation_config(cfg, fp8)
+
+
 def reachable_specs(operands: Optional[Operands] = None) -> tuple[KernelSpec, ...]:
     """Every kernel ``choose_config`` can pick, with the signal modes each
-    can be launched with, and the fused-combine builds (tests sweep the
+    can be launched with, the fused-SwiGLU builds (``choose_activation_config``)
+    and the fused-combine builds (tests sweep the
     heuristic to show the sets equal)."""
     specs = []
     for ops in [operands] if operands else list(Operands):
@@ -267,6 +293,9 @@ def reachable_specs(operands: Optional[Operands] = None) -> tuple[KernelSpec, ..
                             if use == "combine":
                                 specs.extend(KernelSpec(final, ops, None, epi) for epi in COMBINES)
                                 continue
+                            if use == "plain" and not (fp8 and single):
+                                act = Epilogue.SWIGLU_FP8 if fp8 else Epilogue.SWIGLU_BF16
+                                specs.append(KernelSpec(activation_config(final, fp8), ops, None, act))
                             modes = SIGNAL_MODES[1:] if use == "signals" else SIGNAL_MODES[:1]
                             specs.extend(KernelSpec(final, ops, mode) for mode in modes)
             lower = regime.up_to_m + 1

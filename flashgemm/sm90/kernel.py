@@ -19,6 +19,7 @@ from ..schedule.dynamic import FEED_STAGES, TileFeed, reader_warps
 from .. import trace as tr
 from . import barriers
 from .consumer import Consumer, ConsumerSmem
+from .act_epilogue import ActTarget
 from .epilogue import SIGNAL_STAGES, CombineTarget
 from .limits import PRODUCER_REGS, SMEM_BYTES, consumer_regs, resolved_stages
 from .storage import shared_storage
@@ -90,7 +91,9 @@ class MaskedGroupedGemmSm90:
         if config.tail is Tail.SPLIT and signal_mode is not None:
             # a tile's two halves finish on two CTAs; the signal counts tiles
             raise ValueError("config.tail=SPLIT builds take no signal_mode")
-        if epilogue.combines and (signal_mode is not None or trace or config.staging is not Staging.PAIR):
+        if epilogue is not Epilogue.STORE and (
+            signal_mode is not None or trace or config.staging is not Staging.PAIR
+        ):
             raise ValueError(f"an Epilogue.{epilogue.name} build takes no signals, no trace and Staging.PAIR")
         self.config = config
         self.epilogue = epilogue
@@ -110,7 +113,10 @@ class MaskedGroupedGemmSm90:
         self.a_chunk = config.a_chunk_rows
         # 8-bit operands are the block-scaled fp8 recipe (a_scale, b_scale)
         self.block_scaled = operands is Operands.FP8_BLOCK
-        shape = KernelShape(config, self.tile_mnk, self.stages, ab_dtype, self.acc_dtype, self.block_scaled)
+        # the fused fp8 SwiGLU exchanges row maxima with its cluster peer (act_epilogue)
+        self.row_max_exchange = epilogue is Epilogue.SWIGLU_FP8
+        shape = KernelShape(config, self.tile_mnk, self.stages, ab_dtype, self.acc_dtype, self.block_scaled,
+                            64 if self.row_max_exchange else 128)
         self.producer = Producer(shape)
         self.consumer = Consumer(shape, self._make_tiled_mma)
 
@@ -170,7 +176,7 @@ class MaskedGroupedGemmSm90:
     def _shared_storage(self):
         return shared_storage(self.config, self.ab_dtype, self.out_dtype, self.stages, self.a_smem_layout,
                               self.b_smem_layout, self.d_smem_layout, self._sfa_smem_layout(),
-                              self._sfb_smem_layout(), self.block_scaled)
+                              self._sfb_smem_layout(), self.block_scaled, self.row_max_exchange)
 
     @cute.jit
     def __call__(
@@ -188,6 +194,7 @@ class MaskedGroupedGemmSm90:
         mCombined: cute.Tensor,  # (T, N) fp32, or bf16 for COMBINE_BF16; COMBINE_PEERS: (R, N) bf16
         mErr: cute.Tensor,  # (1,) int32
         mPeers: cute.Tensor,  # Epilogue.COMBINE_PEERS (else None): (W,) int64 receive-buffer addresses
+        mDScale: cute.Tensor,  # Epilogue.SWIGLU_FP8 (else None): (E, max_m, N/256) fp32 scales of h (mD)
         num_ctas: Int32,
         stream,
     ):
@@ -224,7 +231,7 @@ class MaskedGroupedGemmSm90:
             (self.tile_mnk[1], self.tile_mnk[2]),
         )
         tma_atom_d, mD_tma = None, None
-        if cutlass.const_expr(mD is not None):
+        if cutlass.const_expr(mD is not None and self.epilogue is Epilogue.STORE):
             tma_atom_d, mD_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
                 mD_mnl,
@@ -255,6 +262,7 @@ class MaskedGroupedGemmSm90:
             mCombined,
             mErr,
             mPeers,
+            mDScale,
             self.tiled_mma,
             self.a_smem_layout,
             self.b_smem_layout,
@@ -290,6 +298,7 @@ class MaskedGroupedGemmSm90:
         mCombined,
         mErr,
         mPeers,  # Epilogue.COMBINE_PEERS only (else None)
+        mDScale,  # Epilogue.SWIGLU_FP8 only (else None)
         tiled_mma: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
@@ -361,6 +370,11 @@ class MaskedGroupedGemmSm90:
                 storage.feed_slots.get_tensor(cute.make_layout(FEED_STAGES)),
                 storage.feed_mbar.data_ptr(), self.cluster_n,
             )
+        if cutlass.const_expr(self.row_max_exchange):
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    for i in range(2 * self.num_consumer_wg):  # (traced once each)
+                        cute.arch.mbarrier_init(storage.amax_mbar.data_ptr() + i, 1)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
@@ -491,10 +505,18 @@ class MaskedGroupedGemmSm90:
                 )
         else:
             cute.arch.setmaxregister_increase(consumer_regs(self.num_consumer_wg))
+            act = None
+            if cutlass.const_expr(self.epilogue.activates):
+                act = ActTarget(mD_mnl, mDScale, None, None, cta_rank)
+                if cutlass.const_expr(self.row_max_exchange):
+                    act = ActTarget(
+                        mD_mnl, mDScale, storage.peer_amax.get_tensor(cute.make_layout(2 * self.tile_mnk[0])),
+                        storage.amax_mbar.data_ptr(), cta_rank,
+                    )
             self.consumer.run(
                 tidx, warp_group_idx, tiled_mma, ConsumerSmem(sA, sB, sD, sSFA, sSFB), gD_mem,
                 self.out_dtype, (epi_barrier, consumer_barrier, handoff), walk_args, feed, balance,
                 ab_pipeline, sig_pipeline, k_tile_cnt, n_total, mTrace, trace_base,
-                None if self.epilogue is Epilogue.STORE
-                else CombineTarget(mTokenIdx, mWeight, mCombined, mErr, mPeers),
+                CombineTarget(mTokenIdx, mWeight, mCombined, mErr, mPeers) if self.epilogue.combines else None,
+                act,
             )

@@ -7,7 +7,9 @@ same numbers the kernel's shared storage uses.
 
 from __future__ import annotations
 
-from ..config import FP8_SLOT_WEIGHT_SCALES, Epilogue, GemmConfig, Operands, Promotion, Staging
+from ..config import (
+    FP8_SLOT_WEIGHT_SCALES, SWIGLU_TILE_N, Epilogue, GemmConfig, Operands, Promotion, Staging, Tail,
+)
 
 # 227 KiB of dynamic shared memory per CTA (the sm_90 opt-in limit).
 SMEM_BYTES = 232448
@@ -38,9 +40,14 @@ def stage_bytes(cfg: GemmConfig, operands: Operands) -> int:
 
 
 def epi_bytes(cfg: GemmConfig, epilogue: Epilogue = Epilogue.STORE) -> int:
-    """The bf16 output staging (the fused combine stages its rows there too)."""
+    """The bf16 output staging (the fused combine stages its rows there too;
+    the fused SwiGLU stores from registers, and its fp8 build keeps the
+    cluster peer's row maxima, two tiles' worth)."""
     em, en = cfg.epi_tile
-    return em * en * 2 * cfg.epi_buffers
+    staging = em * en * 2 * cfg.epi_buffers
+    if epilogue is Epilogue.SWIGLU_FP8:
+        staging += 2 * cfg.tile_m * 4
+    return staging
 
 
 def resolved_stages(cfg: GemmConfig, operands: Operands, epilogue: Epilogue = Epilogue.STORE) -> int:
@@ -77,6 +84,8 @@ def check_config(cfg: GemmConfig, operands: Operands, epilogue: Epilogue = Epilo
     if epilogue.combines and cfg.staging is not Staging.PAIR:
         raise ValueError("config.staging must be Staging.PAIR with the fused combine "
                          f"(its rows are staged sub-tile by sub-tile), got {cfg.staging.name}")
+    if epilogue.activates:
+        check_activation_config(cfg, operands, epilogue)
     n_stages = resolved_stages(cfg, operands, epilogue)
     if n_stages < 2:
         raise ValueError(f"config needs at least 2 pipeline stages; {n_stages} fit in shared memory")
@@ -86,3 +95,17 @@ def check_config(cfg: GemmConfig, operands: Operands, epilogue: Epilogue = Epilo
             f"{SMEM_BYTES} (lower config.stages)"
         )
     return cfg
+
+
+def check_activation_config(cfg: GemmConfig, operands: Operands, epilogue: Epilogue) -> None:
+    """The fused SwiGLU's tile: SWIGLU_TILE_N wide (the interleaved w13's gate
+    and up groups), every tile whole on one CTA, and for fp8 a 2-CTA cluster
+    whose pair holds one 128-column scale block of h."""
+    if cfg.tile_n != SWIGLU_TILE_N:
+        raise ValueError(f"config.tile_n must be {SWIGLU_TILE_N} with Epilogue.{epilogue.name} (one gate and one "
+                         f"up group of the interleaved w13 per tile), got {cfg.tile_n}")
+    if cfg.tail is Tail.SPLIT:
+        raise ValueError(f"config.tail must not be SPLIT with Epilogue.{epilogue.name} (a tile's rows stay on one CTA)")
+    if epilogue is Epilogue.SWIGLU_FP8 and (cfg.cluster_n != 2 or operands is not Operands.FP8_BLOCK):
+        raise ValueError("Epilogue.SWIGLU_FP8 needs fp8 operands and config.cluster_n=2 (the pair's 128 h "
+                         f"columns share each row's scale), got {operands.value}, cluster_n={cfg.cluster_n}")

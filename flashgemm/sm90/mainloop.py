@@ -216,6 +216,7 @@ def consume_tile_blockscaled(
     n_block: Int32,
     tile_n: cutlass.Constexpr,
     promotion: cutlass.Constexpr,  # config.Promotion
+    weight_scale_rows: cutlass.Constexpr = 128,  # 64: the fused SwiGLU's two 64-row blocks per tile
 ):
     """Accumulate one output tile over K with 1x128 / 128x128 block scales.
 
@@ -236,7 +237,9 @@ def consume_tile_blockscaled(
     # A tile that spans a 128-column boundary (tile_n = 192) takes the second
     # block's scale for its upper columns, from tile column straddle_col on.
     straddle_col = None
-    if cutlass.const_expr(128 % tile_n != 0):
+    if cutlass.const_expr(weight_scale_rows == 64):
+        straddle_col = 64  # (a Python int: fixed for every tile)
+    elif cutlass.const_expr(128 % tile_n != 0):
         n0 = n_block * tile_n
         straddle_col = (n0 // 128 + 1) * 128 - n0
     accumulators.fill(0.0)
@@ -340,8 +343,8 @@ def _retire_k_tile(
 def _promote_at(accumulators, acc, scale, straddle_col, first: cutlass.Constexpr):
     """``_promote`` with a run-time straddle_col (None, 64 or 128: every
     192-wide tile starts on a multiple of 64)."""
-    if cutlass.const_expr(straddle_col is None):
-        _promote(accumulators, acc, scale, None, first)
+    if cutlass.const_expr(straddle_col is None or isinstance(straddle_col, int)):
+        _promote(accumulators, acc, scale, straddle_col, first)
     else:
         # one unrolled loop per boundary, so no element selects its scale at
         # run time (docs/design.md, fp8 promotion)

@@ -129,16 +129,18 @@ class Producer:
         return tuple(loads), loaded * (self.a_chunk * self.tile_mnk[2] * self.shape.ab_dtype.width // 8)
 
     def weight_scales_over_k(self, mSFB_nkl, work):
-        """The weight scales over K of each 128-row block of N that ``work``'s
-        tile covers: one block, or two for a 192-wide tile that straddles a
-        block boundary (the second clamped at the last block). The first is
+        """The weight scales over K of each block of N (128 rows, or 64 for the
+        fused SwiGLU) that ``work``'s tile covers: one block, or two for a
+        192-wide tile that straddles a block boundary or a 128-wide one over
+        64-row blocks (the second clamped at the last block). The first is
         clamped too: a cluster's tile past N reads the last block's scales
         and stores nothing."""
         n0 = work.n_block * self.tile_mnk[1]
+        rows = self.shape.weight_scale_rows
         last = cute.size(mSFB_nkl, mode=[0]) - 1
-        blocks = (cutlass.min(n0 // 128, last),)
-        if cutlass.const_expr(128 % self.tile_mnk[1] != 0):
-            blocks = blocks + (cutlass.min(n0 // 128 + 1, last),)
+        blocks = (cutlass.min(n0 // rows, last),)
+        if cutlass.const_expr(rows % self.tile_mnk[1] != 0):
+            blocks = blocks + (cutlass.min(n0 // rows + 1, last),)
         return tuple(mSFB_nkl[(b, None, work.expert)] for b in blocks)
 
     @cute.jit

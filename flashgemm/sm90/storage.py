@@ -13,10 +13,11 @@ from .epilogue import SIGNAL_STAGES
 
 
 def shared_storage(config: GemmConfig, ab, out, stages, a_layout, b_layout, d_layout, sfa_layout, sfb_layout,
-                   block_scaled: bool):
+                   block_scaled: bool, row_max_exchange: bool = False):
     """The ring (A, B and their mbarriers; for fp8 the slots' scales), the
     output staging, the signal handoff's mbarriers, and what the balance
-    rule and the dynamic order add."""
+    rule, the dynamic order and the fused fp8 SwiGLU's row-maximum exchange
+    (``act_epilogue``) add."""
     a_size, b_size = cute.cosize(a_layout), cute.cosize(b_layout)
     d_size = cute.cosize(d_layout)
     sfa_size = cute.cosize(sfa_layout) if block_scaled else 4
@@ -36,4 +37,8 @@ def shared_storage(config: GemmConfig, ab, out, stages, a_layout, b_layout, d_la
     if config.order is TileOrder.DYNAMIC:
         fields["feed_mbar"] = cute.struct.MemRange[cutlass.Int64, 2 * FEED_STAGES]
         fields["feed_slots"] = cute.struct.Align[cute.struct.MemRange[Int32, FEED_STAGES], 16]
+    if row_max_exchange:
+        # per tile parity: the peer's row maxima, and one mbarrier per consumer warpgroup
+        fields["amax_mbar"] = cute.struct.MemRange[cutlass.Int64, 2 * config.consumer_warpgroups]
+        fields["peer_amax"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 2 * config.tile_m], 16]
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
