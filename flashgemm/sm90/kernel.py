@@ -52,7 +52,8 @@ class MaskedGroupedGemmSm90:
       of the tile, issues wgmma from the ring (``mainloop``; for fp8 with the
       promotion ``config.promotion`` names) and runs the epilogue
       (``epilogue``): full tiles staged for the store warp, partial ones
-      stored row by row.
+      stored row by row; or the fused combine's weighted rows, or the fused
+      SwiGLU's h (``act_epilogue``), which the consumers send themselves.
 
     Pipelines and barriers (ids in ``barriers``):
 
@@ -70,7 +71,10 @@ class MaskedGroupedGemmSm90:
       per launch, hands the producer's active-cluster count to the others
       (the producer only arrives); the n-major walker counts in every role;
     * ``TileOrder.DYNAMIC``: a ``FEED_STAGES``-slot claim ring (full/empty
-      mbarriers, ``st.async`` into the peer, ``schedule.dynamic``).
+      mbarriers, ``st.async`` into the peer, ``schedule.dynamic``);
+    * ``Epilogue.SWIGLU_FP8``: the cluster pair's row maxima, per tile and
+      consumer warpgroup: ``st.async`` into the peer's slot of the tile's
+      parity, one mbarrier per (parity, warpgroup) (``act_epilogue``).
 
     With ``config.pdl`` every thread waits in ``griddepcontrol.wait`` after
     the barrier set-up and before its first global access, and the producer
