@@ -37,8 +37,8 @@ def _poisoned(e_count, max_m, inter, fp8):
     return torch.full((e_count, max_m, inter), float("nan"), device="cuda", dtype=torch.bfloat16), None
 
 
-# (E, max_m, H, I, expected_m): 64-row dynamic tiles, 128-row n-major ones, a K tail
-SHAPES = [(8, 96, 1024, 512, 30), (8, 256, 1024, 768, 100), (6, 64, 640, 256, 20)]
+# (E, max_m, H, I, expected_m): 64-row dynamic tiles, 128-row n-major ones, a half K block (576)
+SHAPES = [(8, 96, 1024, 512, 30), (8, 256, 1024, 768, 100), (6, 64, 576, 256, 20)]
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
@@ -126,3 +126,21 @@ def test_fp8_needs_two_sms(seed):
     with pytest.raises(ValueError, match="num_sms must be >= 2"):
         gate_up_swiglu(x, wi, torch.ones(2, dtype=torch.int32, device="cuda"), x_scale=xs, w13_scale=si,
                        num_sms=1)
+
+
+def test_bf16_odd_n_blocks_write_nothing_past_i(seed):
+    # I = 192: three 128-wide gate_up tiles, so a cluster's second CTA holds an
+    # n-block past N; h is a view with 64 poisoned columns after each row
+    e_count, max_m, hidden, inter = 4, 64, 512, 192
+    masked = torch.tensor([0, 17, 64, 40], dtype=torch.int32)
+    mm = masked.cuda()
+    x, _, w13, _ = _operands(e_count, max_m, hidden, inter, False)
+    wi, _ = interleave_w13(w13)
+    wide = torch.full((e_count, max_m, inter + 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    h = wide[..., :inter]
+    gate_up_swiglu(x, wi, mm, out=h, expected_m=40)
+    torch.cuda.synchronize()
+    assert wide[..., inter:].isnan().all()
+    want = silu_mul(flashgemm.grouped_gemm_nt_masked(x, w13, None, mm, expected_m=40), mm, fp8=False)
+    for e, m in enumerate(masked.tolist()):
+        assert torch.equal(h[e, :m], want[e, :m]) and h[e, m:].isnan().all()

@@ -97,9 +97,11 @@ class SwigluEpilogue:
             out.store(h.load().to(out_t))
         row0 = m_block * self.tile_mn[0]
         col0 = n_block * (self.tile_mn[1] // 2)
+        # a bf16 cluster's second CTA may hold an n-block past N (an odd count): it stores nothing
+        inside = col0 < cute.size(self.target.mH, mode=[1])
         for r in cutlass.range_constexpr(2):
             row = self.tCcC[2 * r][0]
-            if row < valid_rows:
+            if (row < valid_rows) & inside:
                 dst_row = self.target.mH[row0 + row, None, expert]
                 for grp in cutlass.range_constexpr(half_n // 4):
                     v0 = 4 * grp + 2 * r
