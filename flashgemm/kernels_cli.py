@@ -23,8 +23,6 @@ PTX_FEATURES = {
     # addresses); a STORE kernel's partial-tile stores load no address
     "combine-peer-store": re.compile(r"ld\.global\.b64\s.*?st\.global\.v4\.b32\s", re.S),
     "fp8-cvt": "cvt.rn.satfinite.e4m3x2.f32",
-    # the fused fp8 SwiGLU's row maxima into the cluster peer (the dynamic order's feed uses it too)
-    "dsmem-exchange": "st.async.shared::cluster.mbarrier::complete_tx::bytes",
     # the EP completion handshake: counts into the peers, waits on their counts
     "sys-release": "red.release.sys.global.add.s32",
     "sys-acquire": "ld.acquire.sys.global",
@@ -129,8 +127,7 @@ def sm90_ok(spec, feats) -> bool:
     sequence when signalled, and the fused combine's reductions (of the
     output's dtype), or its stores into the peers' buffers, instead of bulk
     stores (and no other combine's); the fused SwiGLU's stores from
-    registers (no bulk stores, no reductions), the fp8 one's fp8 conversion
-    and row-maximum exchange with the cluster peer."""
+    registers (no bulk stores, no reductions), the fp8 one's fp8 conversion."""
     ok = "wgmma" in feats and "tma-load" in feats
     if spec.signal_mode is not None:
         ok &= "signal-publish" in feats
@@ -141,7 +138,7 @@ def sm90_ok(spec, feats) -> bool:
     if spec.epilogue.activates:
         fp8 = spec.epilogue.value == "swiglu_fp8"
         ok &= "tma-store" not in feats and not set(COMBINE_FEATURE.values()) & set(feats)
-        ok &= not fp8 or {"dsmem-exchange", "fp8-cvt"} <= set(feats)
+        ok &= fp8 == ("fp8-cvt" in feats)
     return ok
 
 

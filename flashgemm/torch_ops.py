@@ -1,11 +1,12 @@
-"""The public op as ``torch.ops.flashgemm.*`` custom ops, with fake
+"""The public ops as ``torch.ops.flashgemm.*`` custom ops, with fake
 implementations, so ``torch.compile(fullgraph=True)`` traces models that
-call ``flashgemm.grouped_gemm_nt_masked`` (it routes through these while
-compiling). The CPU implementation is the torch reference, so a compiled
-model also runs, slowly, where there is no GPU.
+call ``flashgemm.grouped_gemm_nt_masked`` or ``moe.gate_up.gate_up_swiglu``
+(they route through these while compiling). The CPU implementations are the
+torch references, so a compiled model also runs, slowly, where there is no GPU.
 
-Covered: a, b, out or not, masked_m, the fp8 scales, expected_m, num_sms.
-Signals, combine, config and stream are eager-only arguments.
+Covered: a, b, out or not, masked_m, the fp8 scales, expected_m, num_sms; for
+the fused SwiGLU the functional form (no out). Signals, combine, config and
+stream are eager-only arguments.
 """
 
 from __future__ import annotations
@@ -64,3 +65,51 @@ def grouped_gemm_nt_masked(
 @grouped_gemm_nt_masked.register_fake
 def _(a, b, masked_m, a_scale=None, b_scale=None, expected_m=None, num_sms=None):
     return a.new_empty(_out_shape(a, b), dtype=_out_dtype(a))
+
+
+def _h_shapes(x: torch.Tensor, w13: torch.Tensor):
+    e_count, max_m, inter = x.shape[0], x.shape[1], w13.shape[1] // 2
+    m_pad = -(-max_m // 4) * 4  # the scales' M-contiguous layout (moe.activation.alloc_fp8_input)
+    blocks = max(inter // 128, 0)
+    return (e_count, max_m, inter), (e_count, max_m, blocks), (blocks * m_pad, 1, m_pad)
+
+
+@torch.library.custom_op("flashgemm::gate_up_swiglu", mutates_args=())
+def gate_up_swiglu(
+    x: torch.Tensor, w13: torch.Tensor, masked_m: torch.Tensor,
+    x_scale: Optional[torch.Tensor] = None, w13_scale: Optional[torch.Tensor] = None,
+    expected_m: Optional[int] = None, num_sms: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe.gate_up.gate_up_swiglu`` (w13 interleaved): (h, h_scale); for
+    bf16 x, h_scale is an empty [E, max_m, 0] tensor. Rows >= m_e of a new h
+    are undefined (zero on the CPU)."""
+    if x.device.type == "cpu":
+        from .moe.activation import silu_mul_ref
+        from .moe.gate_up import deinterleave_w13
+
+        w, s = deinterleave_w13(w13, w13_scale)
+        gu = grouped_gemm_nt_masked_ref(x, w, masked_m, a_scale=x_scale, b_scale=s).to(torch.bfloat16)
+        fp8 = x.dtype == torch.float8_e4m3fn
+        h = silu_mul_ref(gu, masked_m, fp8=fp8)
+        _, s_shape, s_strides = _h_shapes(x, w13)
+        if not fp8:
+            return h.contiguous(), torch.empty_strided((s_shape[0], s_shape[1], 0), s_strides)
+        scale = torch.zeros(s_shape[0], s_shape[2], s_strides[2]).transpose(1, 2)[:, :s_shape[1]]
+        scale.copy_(h[1])
+        return h[0].contiguous(), scale
+    from .moe.gate_up import gate_up_swiglu as launch
+
+    h = launch(x, w13, masked_m, x_scale=x_scale, w13_scale=w13_scale, expected_m=expected_m, num_sms=num_sms)
+    if isinstance(h, tuple):
+        return h
+    _, s_shape, s_strides = _h_shapes(x, w13)
+    return h, torch.empty_strided((s_shape[0], s_shape[1], 0), s_strides, device=x.device)
+
+
+@gate_up_swiglu.register_fake
+def _(x, w13, masked_m, x_scale=None, w13_scale=None, expected_m=None, num_sms=None):
+    h_shape, s_shape, s_strides = _h_shapes(x, w13)
+    fp8 = x.dtype == torch.float8_e4m3fn
+    h = x.new_empty(h_shape, dtype=x.dtype if fp8 else torch.bfloat16)
+    s_shape = s_shape if fp8 else (s_shape[0], s_shape[1], 0)
+    return h, x.new_empty_strided(s_shape, s_strides, dtype=torch.float32)

@@ -239,6 +239,8 @@ def test_balance_rounds_is_static_order_only():
     # the heuristic balances its 128x128 tiles (bf16 and fp8) and the fp8
     # 128x192 prefill tile when signals keep it from splitting its last round
     for spec in reachable_specs():
+        if spec.epilogue.activates:  # (the fused SwiGLU widens the pick and keeps its tail)
+            continue
         cfg = spec.config
         fp8_prefill = spec.operands is FP8 and cfg.tile_n == 192
         want = cfg.tile_m == 128 and (cfg.tile_n == 128 or fp8_prefill) and cfg.tail is not Tail.SPLIT
@@ -298,11 +300,13 @@ def test_cli_compile_lists_every_kernel(cli_compile_listing):
         # a signalled kernel publishes: bulk stores complete, proxy fence, release add
         assert ("signal-publish" in feats) == (spec.signal_mode is not None), spec.name()
         # the fused combine reduces its rows into the token rows and stores none
-        fused = spec.epilogue.combines
+        fused = spec.epilogue is not Epilogue.STORE  # a combine, or the SwiGLU: rows leave from registers
         assert ("combine-reduce" in feats) == (spec.epilogue is Epilogue.COMBINE), spec.name()
         assert ("combine-reduce-bf16" in feats) == (spec.epilogue is Epilogue.COMBINE_BF16), spec.name()
         assert ("combine-peer-store" in feats) == (spec.epilogue is Epilogue.COMBINE_PEERS), spec.name()
         assert ("tma-store" in feats) != fused, spec.name()
+        if spec.epilogue.activates:  # the fused SwiGLU: fp8 h only from the fp8 build
+            assert ("fp8-cvt" in feats) == (spec.epilogue is Epilogue.SWIGLU_FP8), spec.name()
     assert "fp8-cvt" in lines["moe-silu_mul-fp8"][2] and "fp8-cvt" not in lines["moe-silu_mul-bf16"][2]
     for block_m in block_ms:
         _, _, feats = lines[f"combine-block_m{block_m}-rows4"]

@@ -144,3 +144,22 @@ def test_bf16_odd_n_blocks_write_nothing_past_i(seed):
     want = silu_mul(flashgemm.grouped_gemm_nt_masked(x, w13, None, mm, expected_m=40), mm, fp8=False)
     for e, m in enumerate(masked.tolist()):
         assert torch.equal(h[e, :m], want[e, :m]) and h[e, m:].isnan().all()
+
+
+def test_torch_compile_fullgraph_runs_the_fused_kernel(seed):
+    e_count, max_m, hidden, inter = 4, 64, 512, 256
+    masked = torch.tensor([0, 17, 64, 40], dtype=torch.int32)
+    mm = masked.cuda()
+    x, xs, w13, s13 = _operands(e_count, max_m, hidden, inter, True)
+    wi, si = interleave_w13(w13, s13)
+
+    def f(x, wi, mm, xs, si):
+        h, hs = gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=si, expected_m=40)
+        return dequantize_fp8_per_token(h, hs)
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True)(x, wi, mm, xs, si)
+    want = dequantize_fp8_per_token(*gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=si, expected_m=40))
+    torch.cuda.synchronize()
+    for e, m in enumerate(masked.tolist()):
+        assert torch.equal(got[e, :m], want[e, :m])

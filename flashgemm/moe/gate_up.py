@@ -100,6 +100,12 @@ def gate_up_swiglu(
     alloc_fp8_input``). Rows >= m_e of h are never written. An fp8 call runs
     2-CTA clusters: num_sms >= 2."""
     fp8 = isinstance(x, torch.Tensor) and x.dtype == _FP8
+    if torch.compiler.is_compiling():
+        if out is not None or out_scale is not None:
+            raise ValueError("out and out_scale cannot be traced by torch.compile; call gate_up_swiglu "
+                             "outside the compiled region for them")
+        h, h_scale = torch.ops.flashgemm.gate_up_swiglu(x, w13, masked_m, x_scale, w13_scale, expected_m, num_sms)
+        return (h, h_scale) if fp8 else h
     key = None
     try:
         key = (x.dtype, x.shape, x.stride(), x.device, w13.shape, w13.stride(), masked_m.shape,

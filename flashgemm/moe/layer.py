@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from ..api import grouped_gemm_nt_masked
+from ..config import SWIGLU_GRANULE
 from ..routing import Combine
 from .activation import silu_mul
 from .gate_up import deinterleave_w13, gate_up_swiglu, interleave_w13
@@ -45,13 +46,15 @@ class MaskedExperts:
     bf16 without scales. I must be a multiple of 128 for fp8 (8 for bf16;
     64 for ``ActivationPath.FUSED``).
 
-    ``activation``: an :class:`ActivationPath`. FUSED keeps w13 (and its
-    scales) interleaved in 64-row gate / up groups (``gate_up.interleave_w13``,
-    done here once), in place of the checkpoint layout.
+    ``activation``: an :class:`ActivationPath`, or None for FUSED where the
+    shape allows it (I a multiple of 64: always for fp8) and SEPARATE
+    otherwise. FUSED keeps w13 (and its scales) interleaved in 64-row gate /
+    up groups (``gate_up.interleave_w13``, done here once), in place of the
+    checkpoint layout.
     """
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, w13_scale=None, w2_scale=None,
-                 activation: ActivationPath = ActivationPath.FUSED):
+                 activation: Optional[ActivationPath] = None):
         for name, w in (("w13", w13), ("w2", w2)):
             if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype not in (FP8, torch.bfloat16):
                 raise TypeError(f"{name} must be a 3-D float8_e4m3fn or bfloat16 tensor, got "
@@ -67,6 +70,9 @@ class MaskedExperts:
             raise ValueError("fp8 weights need w13_scale and w2_scale (128x128 block scales)")
         if not self.fp8 and (w13_scale is not None or w2_scale is not None):
             raise ValueError("block scales are only for fp8 weights")
+        if activation is None:
+            fits = (two_i // 2) % SWIGLU_GRANULE == 0
+            activation = ActivationPath.FUSED if fits else ActivationPath.SEPARATE
         if not isinstance(activation, ActivationPath):
             raise TypeError(f"activation must be a flashgemm.moe.ActivationPath, got {activation!r}")
         self.activation = activation

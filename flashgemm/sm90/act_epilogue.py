@@ -47,6 +47,23 @@ class ActTarget(NamedTuple):
     cta_rank: Int32
 
 
+def init_exchange_barriers(mbar, num_consumer_wg: int):
+    """One elected thread, before the cluster's barrier-init sync: one
+    mbarrier per (parity, consumer warpgroup), one local arrival each."""
+    with cute.arch.elect_one():
+        for i in range(2 * num_consumer_wg):  # (traced once each)
+            cute.arch.mbarrier_init(mbar + i, 1)
+
+
+def act_target(storage, mH, mHScale, tile_m: int, cta_rank) -> ActTarget:
+    """The consumers' target; ``storage`` (the CTA's shared storage) only
+    for the fp8 build, whose row maxima it holds."""
+    if storage is None:
+        return ActTarget(mH, mHScale, None, None, cta_rank)
+    return ActTarget(mH, mHScale, storage.peer_amax.get_tensor(cute.make_layout(2 * tile_m)),
+                     storage.amax_mbar.data_ptr(), cta_rank)
+
+
 class SwigluEpilogue:
     """One consumer thread's fused SwiGLU state (built once per kernel)."""
 

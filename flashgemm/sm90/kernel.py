@@ -19,7 +19,7 @@ from ..schedule.dynamic import FEED_STAGES, TileFeed, reader_warps
 from .. import trace as tr
 from . import barriers
 from .consumer import Consumer, ConsumerSmem
-from .act_epilogue import ActTarget
+from .act_epilogue import act_target, init_exchange_barriers
 from .epilogue import SIGNAL_STAGES, CombineTarget
 from .limits import PRODUCER_REGS, SMEM_BYTES, consumer_regs, resolved_stages
 from .storage import shared_storage
@@ -248,30 +248,9 @@ class MaskedGroupedGemmSm90:
             raise ValueError(f"{self.shared_storage.size_in_bytes()} bytes of shared memory; sm_90 allows {SMEM_BYTES}")
 
         self.kernel(
-            tma_atom_a,
-            mA_tma,
-            tma_atom_b,
-            mB_tma,
-            tma_atom_d,
-            mD_tma,
-            mD_mnl,
-            mMaskedM,
-            mSignals,
-            tma_atom_sfa,
-            mSFA_tma,
-            mSFB_nkl,
-            mCounter,
-            mTokenIdx,
-            mWeight,
-            mCombined,
-            mErr,
-            mPeers,
-            mDScale,
-            self.tiled_mma,
-            self.a_smem_layout,
-            self.b_smem_layout,
-            self.d_smem_layout,
-            self.d_store_layout,
+            tma_atom_a, mA_tma, tma_atom_b, mB_tma, tma_atom_d, mD_tma, mD_mnl, mMaskedM, mSignals,
+            tma_atom_sfa, mSFA_tma, mSFB_nkl, mCounter, mTokenIdx, mWeight, mCombined, mErr, mPeers, mDScale,
+            self.tiled_mma, self.a_smem_layout, self.b_smem_layout, self.d_smem_layout, self.d_store_layout,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.threads, 1, 1],
@@ -376,9 +355,7 @@ class MaskedGroupedGemmSm90:
             )
         if cutlass.const_expr(self.row_max_exchange):
             if warp_idx == 0:
-                with cute.arch.elect_one():
-                    for i in range(2 * self.num_consumer_wg):  # (traced once each)
-                        cute.arch.mbarrier_init(storage.amax_mbar.data_ptr() + i, 1)
+                init_exchange_barriers(storage.amax_mbar.data_ptr(), self.num_consumer_wg)
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
@@ -511,12 +488,8 @@ class MaskedGroupedGemmSm90:
             cute.arch.setmaxregister_increase(consumer_regs(self.num_consumer_wg))
             act = None
             if cutlass.const_expr(self.epilogue.activates):
-                act = ActTarget(mD_mnl, mDScale, None, None, cta_rank)
-                if cutlass.const_expr(self.row_max_exchange):
-                    act = ActTarget(
-                        mD_mnl, mDScale, storage.peer_amax.get_tensor(cute.make_layout(2 * self.tile_mnk[0])),
-                        storage.amax_mbar.data_ptr(), cta_rank,
-                    )
+                act = act_target(storage if self.row_max_exchange else None, mD_mnl, mDScale, self.tile_mnk[0],
+                                 cta_rank)
             self.consumer.run(
                 tidx, warp_group_idx, tiled_mma, ConsumerSmem(sA, sB, sD, sSFA, sSFB), gD_mem,
                 self.out_dtype, (epi_barrier, consumer_barrier, handoff), walk_args, feed, balance,
