@@ -97,8 +97,8 @@ def cmd_compile(args) -> int:
     ep = _ep_jobs(arch, block_ms)
     jobs += ep
     return _run_jobs(jobs, arch, getattr(args, "cache_dir", None),
-                     f"{len(specs)} GEMMs (every configuration the heuristic picks x signal mode or fused "
-                     f"combine), {len(activations)} MoE activations, {len(block_ms)} reference combines and "
+                     f"{len(specs)} GEMMs (every configuration the heuristic picks x signal mode, fused "
+                     f"combine or fused SwiGLU), {len(activations)} MoE activations, {len(block_ms)} reference combines and "
                      f"{len(ep)} expert-parallel kernels")
 
 
