@@ -22,10 +22,8 @@ exchanges its 64 rows' partial maxima with the same warpgroup of the peer CTA:
 
 Two parities suffice: a CTA writes a slot again two tiles later, after the
 peer's sends of the tile in between, which the peer issues after reading the
-slot. Rank 0 writes the scales. Rows >= m_e are never written. h leaves from
-registers: the quad's four lanes trade their values by shuffles so that each
-stores whole 16-byte pieces of its row (two-byte stores of each lane's
-column pairs cost 13 us on DeepSeek-V3 at 256 tokens/rank; docs/design.md).
+slot. Rank 0 writes the scales. Rows >= m_e are never written; h leaves by
+direct stores from registers (a tile of h is 64 bytes of fp8 per row).
 """
 
 from __future__ import annotations
@@ -118,28 +116,17 @@ class SwigluEpilogue:
         col0 = n_block * (self.tile_mn[1] // 2)
         # a bf16 cluster's second CTA may hold an n-block past N (an odd count): it stores nothing
         inside = col0 < cute.size(self.target.mH, mode=[1])
-        lane = cute.arch.lane_idx()
-        q = lane % 4
         for r in cutlass.range_constexpr(2):
             row = self.tCcC[2 * r][0]
-            # this row's values in column order (8-column group, then pair), as 32-bit words
-            vals = cute.make_rmem_tensor((half_n // 2,), out_t)
-            for grp in cutlass.range_constexpr(half_n // 4):
-                for p in cutlass.range_constexpr(2):
-                    vals[2 * grp + p] = out[4 * grp + 2 * r + p]
-            pieces = _quad_transpose(cute.recast_tensor(vals, Int32), q, lane - q, self.fp8)
             if (row < valid_rows) & inside:
                 dst_row = self.target.mH[row0 + row, None, expert]
-                per_piece = 16 * 8 // out_t.width  # elements in 16 bytes
-                for i in cutlass.range_constexpr(len(pieces)):
-                    words = cute.make_rmem_tensor((4,), Int32)
-                    for j in cutlass.range_constexpr(4):
-                        words[j] = pieces[i][j]
-                    # lane q's 16-byte pieces: 16 q + 8 i .. (bf16) or 16 q .. (fp8) columns on
-                    first = (col0 + q * per_piece * len(pieces)) // per_piece + i
-                    cute.autovec_copy(cute.recast_tensor(words, out_t), cute.local_tile(dst_row, (per_piece,), (first,)))
+                for grp in cutlass.range_constexpr(half_n // 4):
+                    v0 = 4 * grp + 2 * r
+                    col = col0 + self.tCcC[v0][1]
+                    cute.autovec_copy(cute.local_tile(out, (2,), (v0 // 2,)),
+                                      cute.local_tile(dst_row, (2,), (col // 2,)))
                 if cutlass.const_expr(self.fp8):
-                    if (self.target.cta_rank == 0) & (q == 0):
+                    if (self.target.cta_rank == 0) & (cute.arch.lane_idx() % 4 == 0):
                         self.target.mHScale[expert, row0 + row, n_block // 2] = scales[r]
 
     @cute.jit
@@ -182,36 +169,3 @@ class SwigluEpilogue:
             both = cute.arch.fmax(amax[r], cute.arch.shuffle_sync(peer[r], lane & ~3))
             scales[r] = both / FP8_MAX
         return scales[0], scales[1]
-
-
-def _pick(values, index):
-    """values[index] for a run-time index (a select chain)."""
-    picked = values[-1]
-    for i in range(len(values) - 2, -1, -1):
-        picked = cutlass.select_(index == i, values[i], picked)
-    return picked
-
-
-def _quad_transpose(words: cute.Tensor, q, quad_base, fp8: bool):
-    """The quad's four lanes hold a row's 64 columns two at a time (lane q:
-    columns 8 g + 2 q, + 1 of each 8-column group g); return this lane's
-    16-byte pieces of the row in column order, so each lane stores whole
-    pieces: fp8 (4 words per lane, a word = groups 2 j and 2 j + 1) one piece,
-    columns 16 q on; bf16 (8 words, a word per group) two, columns 16 q and
-    16 q + 8. Four shuffle rounds: in round k lane q trades with lane q ^ k.
-    (Traced inline: plain Python over the unrolled values.)"""
-    per_round = 1 if fp8 else 2  # the words lane q wants from each lane
-    mine = [words[i] for i in range(cute.size(words))]
-    got = [[None] * 4 for _ in range(per_round)]
-    for k in range(4):
-        partner = q ^ k
-        for w in range(per_round):
-            send = _pick(mine[w::per_round], partner)  # the partner's share of my words
-            got[w][k] = cute.arch.shuffle_sync(send, quad_base + partner)
-    # from lane p (round k = p ^ q): p's words of this lane's columns
-    by_lane = [[_pick(got[w], p ^ q) for p in range(4)] for w in range(per_round)]
-    if fp8:
-        lo = [x & 0xFFFF for x in by_lane[0]]  # group 2 q, columns 2 p, 2 p + 1
-        hi = [(x >> 16) & 0xFFFF for x in by_lane[0]]  # group 2 q + 1
-        return ((lo[0] | (lo[1] << 16), lo[2] | (lo[3] << 16), hi[0] | (hi[1] << 16), hi[2] | (hi[3] << 16)),)
-    return tuple(tuple(by_lane[w]) for w in range(per_round))
