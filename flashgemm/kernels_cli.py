@@ -136,9 +136,8 @@ def sm90_ok(spec, feats) -> bool:
         others = set(COMBINE_FEATURE.values()) - {send}
         ok &= send in feats and "tma-store" not in feats and not others & set(feats)
     if spec.epilogue.activates:
-        fp8 = spec.epilogue.value == "swiglu_fp8"
         ok &= "tma-store" not in feats and not set(COMBINE_FEATURE.values()) & set(feats)
-        ok &= fp8 == ("fp8-cvt" in feats)
+        ok &= (spec.epilogue.value == "swiglu_fp8") == ("fp8-cvt" in feats)
     return ok
 
 

@@ -67,11 +67,17 @@ def _(a, b, masked_m, a_scale=None, b_scale=None, expected_m=None, num_sms=None)
     return a.new_empty(_out_shape(a, b), dtype=_out_dtype(a))
 
 
-def _h_shapes(x: torch.Tensor, w13: torch.Tensor):
+def _h_buffers(x: torch.Tensor, w13: torch.Tensor):
+    """New (h, h_scale) of the fused SwiGLU: ``alloc_fp8_input``'s layout for
+    fp8 (what the kernel's launcher allocates), else bf16 h and an empty
+    [E, max_m, 0] scale. (In a fake implementation: fake tensors.)"""
+    from .moe.activation import alloc_fp8_input
+
     e_count, max_m, inter = x.shape[0], x.shape[1], w13.shape[1] // 2
-    m_pad = -(-max_m // 4) * 4  # the scales' M-contiguous layout (moe.activation.alloc_fp8_input)
-    blocks = max(inter // 128, 0)
-    return (e_count, max_m, inter), (e_count, max_m, blocks), (blocks * m_pad, 1, m_pad)
+    if x.dtype == torch.float8_e4m3fn:
+        return alloc_fp8_input(e_count, max_m, inter, x.device)
+    return (x.new_empty((e_count, max_m, inter), dtype=torch.bfloat16),
+            x.new_empty((e_count, max_m, 0), dtype=torch.float32))
 
 
 @torch.library.custom_op("flashgemm::gate_up_swiglu", mutates_args=())
@@ -90,26 +96,20 @@ def gate_up_swiglu(
         w, s = deinterleave_w13(w13, w13_scale)
         gu = grouped_gemm_nt_masked_ref(x, w, masked_m, a_scale=x_scale, b_scale=s).to(torch.bfloat16)
         fp8 = x.dtype == torch.float8_e4m3fn
-        h = silu_mul_ref(gu, masked_m, fp8=fp8)
-        _, s_shape, s_strides = _h_shapes(x, w13)
-        if not fp8:
-            return h.contiguous(), torch.empty_strided((s_shape[0], s_shape[1], 0), s_strides)
-        scale = torch.zeros(s_shape[0], s_shape[2], s_strides[2]).transpose(1, 2)[:, :s_shape[1]]
-        scale.copy_(h[1])
-        return h[0].contiguous(), scale
+        ref = silu_mul_ref(gu, masked_m, fp8=fp8)
+        h, h_scale = _h_buffers(x, w13)
+        h.copy_(ref[0] if fp8 else ref)
+        if fp8:
+            h_scale.copy_(ref[1])
+        return h, h_scale
     from .moe.gate_up import gate_up_swiglu as launch
 
     h = launch(x, w13, masked_m, x_scale=x_scale, w13_scale=w13_scale, expected_m=expected_m, num_sms=num_sms)
     if isinstance(h, tuple):
         return h
-    _, s_shape, s_strides = _h_shapes(x, w13)
-    return h, torch.empty_strided((s_shape[0], s_shape[1], 0), s_strides, device=x.device)
+    return h, _h_buffers(x, w13)[1]
 
 
 @gate_up_swiglu.register_fake
 def _(x, w13, masked_m, x_scale=None, w13_scale=None, expected_m=None, num_sms=None):
-    h_shape, s_shape, s_strides = _h_shapes(x, w13)
-    fp8 = x.dtype == torch.float8_e4m3fn
-    h = x.new_empty(h_shape, dtype=x.dtype if fp8 else torch.bfloat16)
-    s_shape = s_shape if fp8 else (s_shape[0], s_shape[1], 0)
-    return h, x.new_empty_strided(s_shape, s_strides, dtype=torch.float32)
+    return _h_buffers(x, w13)

@@ -28,6 +28,32 @@ def alloc_fp8_input(e_count: int, max_m: int, inter: int, device) -> tuple[torch
     return q, store.transpose(1, 2)[:, :max_m, :]
 
 
+def check_h_out(out, out_scale, shape: tuple, fp8: bool) -> None:
+    """A caller's buffers for h (the down GEMM's input), before any launch:
+    ``out`` [E, max_m, I] (fp8 e4m3 or bf16, last dim contiguous, 16-byte-
+    aligned strides) and, for fp8, ``out_scale`` [E, max_m, I/128] fp32 in
+    ``alloc_fp8_input``'s layout; both or neither for fp8."""
+    if fp8:
+        if (out is None) != (out_scale is None):
+            raise ValueError("pass both out and out_scale, or neither")
+    elif out_scale is not None:
+        raise ValueError("out_scale is only for fp8 output")
+    if out is not None:
+        _check_tensor("out", out, 3, (FP8 if fp8 else torch.bfloat16,))
+        if tuple(out.shape) != shape or out.stride(2) != 1 or any(st * out.element_size() % _TMA_ALIGN
+                                                                  for st in out.stride()[:2]):
+            raise ValueError(f"out must be {shape}, contiguous along its last dim with 16-byte-aligned strides, "
+                             f"got shape {tuple(out.shape)}, strides {out.stride()}")
+    if out_scale is not None:
+        _check_tensor("out_scale", out_scale, 3, (torch.float32,))
+        want = (shape[0], shape[1], shape[2] // SCALE_BLOCK)
+        st = out_scale.stride()
+        if tuple(out_scale.shape) != want or st[1] != 1 or st[0] % 4 or st[2] % 4 \
+                or out_scale.data_ptr() % _TMA_ALIGN:
+            raise ValueError(f"out_scale must be fp32 {want}, M contiguous with 16-byte-aligned strides "
+                             "(alloc_fp8_input)")
+
+
 def _build(fp8: bool, arch: Optional[str] = None, keep_ptx: bool = False):
     arch = ensure_arch_env(arch)
     import cutlass
@@ -108,27 +134,11 @@ def silu_mul(
             raise ValueError(f"{name} is on {t.device} but gate_up is on {gate_up.device}")
     if gate_up.device.type != "cuda":
         raise ValueError(f"gate_up must be on a CUDA device, got {gate_up.device}")
-    if fp8:
-        if out is None and out_scale is None:
-            out, out_scale = alloc_fp8_input(e_count, max_m, inter, gate_up.device)
-        elif out is None or out_scale is None:
-            raise ValueError("pass both out and out_scale, or neither")
-        _check_tensor("out", out, 3, (FP8,))
-        _check_tensor("out_scale", out_scale, 3, (torch.float32,))
-        want = (e_count, max_m, inter // SCALE_BLOCK)
-        st = out_scale.stride()
-        if tuple(out_scale.shape) != want or st[1] != 1 or st[0] % 4 or st[2] % 4 \
-                or out_scale.data_ptr() % _TMA_ALIGN:
-            raise ValueError(f"out_scale must be fp32 {want}, M contiguous with 16-byte-aligned strides "
-                             "(alloc_fp8_input)")
-    else:
-        if out_scale is not None:
-            raise ValueError("out_scale is only for fp8 output")
-        if out is None:
-            out = torch.empty(e_count, max_m, inter, dtype=torch.bfloat16, device=gate_up.device)
-        _check_tensor("out", out, 3, (torch.bfloat16,))
-    if tuple(out.shape) != (e_count, max_m, inter) or out.stride(2) != 1:
-        raise ValueError(f"out must be {(e_count, max_m, inter)} with a contiguous last dim, got {tuple(out.shape)}")
+    check_h_out(out, out_scale, (e_count, max_m, inter), fp8)
+    if fp8 and out is None:
+        out, out_scale = alloc_fp8_input(e_count, max_m, inter, gate_up.device)
+    elif out is None:
+        out = torch.empty(e_count, max_m, inter, dtype=torch.bfloat16, device=gate_up.device)
     sm_count = device_facts(gate_up.device.index)[1]
     sms = sm_count if num_sms is None else num_sms
     if isinstance(sms, bool) or not isinstance(sms, int) or not 1 <= sms <= sm_count:

@@ -21,7 +21,6 @@ from ..sm90.heuristic import choose_activation_config
 from ..sm90.limits import check_config
 from ..validation import (
     _FP8,
-    _TMA_ALIGN,
     _byte_span,
     _check_tensor,
     check_expected_m,
@@ -30,7 +29,7 @@ from ..validation import (
     validate_args,
     validate_device,
 )
-from .activation import SCALE_BLOCK, alloc_fp8_input
+from .activation import SCALE_BLOCK, alloc_fp8_input, check_h_out
 
 
 def interleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None):
@@ -41,10 +40,7 @@ def interleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None):
     scale None for bf16; I must be a multiple of 64 (128 for fp8)."""
     _check_tensor("w13", w13, 3, (_FP8, torch.bfloat16))
     e_count, two_i, hidden = w13.shape
-    inter = two_i // 2
-    mult = SCALE_BLOCK if w13.dtype == _FP8 else SWIGLU_GRANULE
-    if two_i % 2 or inter < mult or inter % mult:
-        raise ValueError(f"w13 must be [E, 2I, H] with I a positive multiple of {mult}, got {tuple(w13.shape)}")
+    inter = _check_inter(w13, w13.dtype == _FP8)
     groups = inter // SWIGLU_GRANULE
     w = w13.reshape(e_count, 2, groups, SWIGLU_GRANULE, hidden).transpose(1, 2)
     w = w.reshape(e_count, two_i, hidden).contiguous()
@@ -60,6 +56,16 @@ def interleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None):
     # group j: gate (j even) or up (j odd) rows from row (j // 2) * 64 of that half
     rows = (j % 2) * inter + (j // 2) * SWIGLU_GRANULE
     return w, w13_scale.index_select(1, rows // SCALE_BLOCK).contiguous()
+
+
+def _check_inter(w13: torch.Tensor, fp8: bool) -> int:
+    """I of w13 [E, 2I, H]: a positive multiple of 128 for fp8 (a scale
+    block), of SWIGLU_GRANULE for bf16."""
+    two_i = w13.shape[1]
+    mult = SCALE_BLOCK if fp8 else SWIGLU_GRANULE
+    if two_i % 2 or two_i // 2 < mult or (two_i // 2) % mult:
+        raise ValueError(f"w13 must be [E, 2I, H] with I a positive multiple of {mult}, got {tuple(w13.shape)}")
+    return two_i // 2
 
 
 def deinterleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None):
@@ -169,11 +175,8 @@ def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m,
     _check_tensor("w13", w13, 3, (x.dtype,))
     fp8 = x.dtype == _FP8
     e_count, max_m, hidden = x.shape
-    two_i = w13.shape[1]
-    inter = two_i // 2
-    mult = SCALE_BLOCK if fp8 else SWIGLU_GRANULE
-    if two_i % 2 or inter < mult or inter % mult:
-        raise ValueError(f"w13 must be [E, 2I, H] with I a positive multiple of {mult}, got {tuple(w13.shape)}")
+    inter = _check_inter(w13, fp8)
+    two_i = 2 * inter
     scale_view = None
     if fp8:
         _check_tensor("w13_scale", w13_scale, 3, (torch.float32,))
@@ -187,25 +190,10 @@ def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m,
     validate_args(x, w13, None, masked_m, x_scale, scale_view)
     check_expected_m(expected_m)
     h_shape = (e_count, max_m, inter)
-    if fp8:
-        if (out is None) != (out_scale is None):
-            raise ValueError("pass both out and out_scale, or neither")
-    elif out_scale is not None:
-        raise ValueError("out_scale is only for fp8 h")
+    check_h_out(out, out_scale, h_shape, fp8)
     if out is not None:
-        _check_tensor("out", out, 3, (_FP8 if fp8 else torch.bfloat16,))
-        if tuple(out.shape) != h_shape or out.stride(2) != 1 or any(st * out.element_size() % _TMA_ALIGN
-                                                                   for st in out.stride()[:2]):
-            raise ValueError(f"out must be {h_shape}, contiguous along its last dim with 16-byte-aligned strides, "
-                             f"got shape {tuple(out.shape)}, strides {out.stride()}")
         written = {"out": _byte_span(out)}
         if out_scale is not None:
-            _check_tensor("out_scale", out_scale, 3, (torch.float32,))
-            want = (e_count, max_m, inter // SCALE_BLOCK)
-            st = out_scale.stride()
-            if tuple(out_scale.shape) != want or st[1] != 1 or st[0] % 4 or st[2] % 4:
-                raise ValueError(f"out_scale must be fp32 {want}, M contiguous with 16-byte-aligned strides "
-                                 "(activation.alloc_fp8_input)")
             written["out_scale"] = _byte_span(out_scale)
         inputs = {"x": x, "w13": w13, "masked_m": masked_m, "x_scale": x_scale, "w13_scale": w13_scale}
         for name, span in written.items():
