@@ -425,6 +425,9 @@ def test_precompile_default_builds_exactly_the_reachable_specs(monkeypatch):
     monkeypatch.setattr(ep_combine, "build_ep_combine", lambda m, rows, arch=None, **kw: ("ep_combine", m))
     monkeypatch.setattr(ep_combine, "build_ep_complete", lambda arch=None, **kw: ("ep_complete",))
     monkeypatch.setattr(ep_combine, "build_token_sum", lambda k, ids, out, arch=None, **kw: ("ep_sum", k))
+    from flashgemm.ep import device_dispatch
+
+    monkeypatch.setattr(device_dispatch, "build_ep_dispatch", lambda k, fp8, ids, arch=None, **kw: ("ep_disp", k))
     count = flashgemm.precompile(arch="sm_90a", cache_dir="/nonexistent/never-written")
     specs = reachable_specs()
     gemm_keys = [k for k, _ in stored if isinstance(k[-1], KernelSpec)]
@@ -439,10 +442,11 @@ def test_precompile_default_builds_exactly_the_reachable_specs(monkeypatch):
     assert combine_keys == [build.combine_key("sm_90a", m, DEFAULT_ROWS_PER_ITEM) for m in block_ms]
     activation_keys = [k for k, _ in stored if "silu_mul" in k]
     assert activation_keys == [activation.activation_key("sm_90a", fp8) for fp8 in (True, False)]
-    # the expert-parallel kernels: a signalled combine per tile_m, the completion step, 4 sums for top-8
+    # the expert-parallel kernels: a signalled combine per tile_m, the completion step, the device
+    # dispatch (fp8 / bf16 rows x int32 / int64 ids) and 4 sums for top-8
     ep_keys = [k for k, _ in stored if any(str(part).startswith("ep_") for part in k)]
     assert ep_keys == [key for _, key, _ in ep_combine.ep_kernel_jobs("sm_90a", block_ms)]
-    assert len(ep_keys) == len(block_ms) + 1 + 4
+    assert len(ep_keys) == len(block_ms) + 1 + 4 + 4
     assert count == len(stored) == len(specs) + len(block_ms) + 2 + len(ep_keys)
     assert {d for _, d in stored} == {"/nonexistent/never-written"}
     # an explicit list: those kernels, no combine

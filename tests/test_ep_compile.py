@@ -103,7 +103,7 @@ def test_peer_addresses_from_the_engine_handle():
 def test_error_word_in_words():
     assert describe_error(0) == ""
     text = describe_error(4 | 1, rank=3)
-    assert text.startswith("rank 3: EP combine error word 0x5")
+    assert text.startswith("rank 3: EP error word 0x5")
     assert "peer did not report completion" in text and "timed out" in text
 
 

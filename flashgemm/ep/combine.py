@@ -35,9 +35,12 @@ DEFAULT_MAX_POLLS = 20_000_000  # with <= 256 ns back-off: seconds, not a hang
 DEFAULT_EP_ROWS_PER_ITEM = 1
 ERROR_BITS = {
     1: "a wait on the down GEMM's completion signal timed out (co-residency rule broken, or the GEMM failed)",
-    2: "a routing entry named a rank, token or slot out of range (that row was skipped)",
+    2: "a routing entry named a rank, token, slot or expert out of range (that row was skipped)",
     4: "a peer did not report completion in time (a rank failed or fell behind)",
     8: "a peer reported an error of its own",
+    # the device dispatch's bits (``device_dispatch``: the layer shares one word)
+    16: "an expert received more rows than its capacity max_m (rows dropped): raise max_m",
+    32: "a peer arrived with another sequence number (a rank skipped or repeated a layer)",
 }
 
 
@@ -45,7 +48,7 @@ def describe_error(word: int, rank: Optional[int] = None) -> str:
     """The error word in words (empty for 0)."""
     parts = [text for bit, text in ERROR_BITS.items() if word & bit]
     where = f"rank {rank}: " if rank is not None else ""
-    return f"{where}EP combine error word {word:#x}: " + "; ".join(parts) if parts else ""
+    return f"{where}EP error word {word:#x}: " + "; ".join(parts) if parts else ""
 
 
 def check_error(err: torch.Tensor, rank: Optional[int] = None) -> None:
@@ -188,13 +191,17 @@ EP_TOP_KS = (8,)  # DeepSeek-V3's and Qwen3's top-8; other k go through ``ep_ker
 def ep_kernel_jobs(arch: str, block_ms, top_ks=EP_TOP_KS) -> list:
     """(name, cache key, build) of every EP kernel a layer can launch: the
     signalled combine for each signalled m-block height (``block_ms``), the
-    completion step, and the owner's sum for each top-k, id dtype and sum
+    completion step, the device dispatch (fp8 and bf16 rows, each id dtype)
+    and the owner's sum for each top-k, id dtype and sum
     dtype. ``python -m flashgemm compile`` lists them; ``precompile`` stores
     them."""
     jobs = [(f"ep-combine-block_m{m}-rows{DEFAULT_EP_ROWS_PER_ITEM}",
              ep_combine_key(arch, m, DEFAULT_EP_ROWS_PER_ITEM),
              lambda m=m, **kw: build_ep_combine(m, DEFAULT_EP_ROWS_PER_ITEM, arch, **kw)) for m in block_ms]
     jobs.append(("ep-complete", ep_complete_key(arch), lambda **kw: build_ep_complete(arch, **kw)))
+    from .device_dispatch import dispatch_jobs
+
+    jobs += dispatch_jobs(arch, top_ks)
     for k in top_ks:
         for ids in _ID_TYPES:
             for out in _SUM_TYPES:

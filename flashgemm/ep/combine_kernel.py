@@ -98,7 +98,7 @@ class EpCombineSm90:
     chunks, scales them by their row's weight in fp32, rounds them to bf16
     and stores them into the owner's (token, slot) row with one 16-byte
     store each (over NVLink for a peer). No shared-memory pipeline: a chunk's loads and its reductions are the
-    whole path. Completion: each CTA fences at system scope and counts
+    whole path. Completion: after a CTA barrier, thread 0 fences at system scope and counts
     itself done (GPU-scope acq_rel add); the last CTA's warp 0 runs
     ``peer_completion``.
     """
@@ -213,10 +213,12 @@ class EpCombineSm90:
             sched.advance()
             work = sched.work()
 
-        # every thread's stores are performed system-wide before its CTA counts as done
-        cute.arch.fence_acq_rel_sys()
+        # the CTA's stores are performed system-wide before it counts as done: the
+        # barrier orders them before thread 0's fence, which is cumulative (one
+        # fence per CTA; a fence in every thread cost ~20 us a launch, docs/design.md)
         cute.arch.sync_threads()
         if tidx == 0:
+            cute.arch.fence_acq_rel_sys()
             done = cute.arch.atomic_add(mState.iterator, Int32(1), sem="acq_rel", scope="gpu")
             sLast[0] = Int32(0)
             if done == gdim - 1:

@@ -2,17 +2,21 @@
 MoE layer (256 experts, top-8, H 7168, I 2048, block-scaled fp8) with N-way
 expert parallelism.
 
-Each rank: dispatch (baseline ``all_to_all_single``), the local experts'
-gate_up + SwiGLU (``flashgemm.moe`` kernels), then the down GEMM and the
-combine into the owners' symmetric-memory receive buffers in each of three
-forms: fused (the GEMM's epilogue stores each row into its owner), signalled
-(a combine kernel on another stream polls the GEMM's completion signals) and
-sequential (the whole GEMM, then the combine); then each rank sums its
-tokens' k rows. The tokens are checked against the all-gather reference
-(every form); each part's median time (CUDA events, after warm-up) and the
-whole layer's are printed by rank 0, with each overlapped form's speed-up
-over the sequential layer. ``--fail-rank R`` makes rank R skip its combine
-once, to show that every other rank then raises instead of hanging.
+Each rank: the device dispatch (token rows stored straight into the owners'
+symmetric buffers, fp8 quantized on the way; ``--baseline``: the host-synced
+``all_to_all_single``), the local experts' gate_up + SwiGLU, then the down
+GEMM and the combine into the owners' receive buffers in each of three forms:
+fused (the GEMM's epilogue stores each row into its owner), signalled (a
+combine kernel on another stream polls the GEMM's completion signals) and
+sequential; then each rank sums its tokens' k rows. The tokens are checked
+against the all-gather reference (every form). Then, per size in
+``--sizes``, the whole layer is captured in one CUDA graph and replayed
+against the same rank's GEMMs alone (medians, interleaved), with the
+dispatch alone against its bound (the bytes any rank sends to or receives
+from its peers over a plain peer copy measured in the same run) and the
+combine kernel alone against the same copy rate. ``--layers N`` replays the
+layer's graph N times; ``--fail-rank R`` makes rank R skip its down GEMM and
+combine once, and every rank must then raise instead of hanging.
 
 Run as a plain ``python -m flashgemm.ep.demo`` it makes a world of one
 (symmetric memory with one rank: the combine writes into this GPU's own
@@ -31,17 +35,20 @@ import tempfile
 
 import torch
 
+from . import parts
 from .buffers import multicast_off_env
 
 FP8 = torch.float8_e4m3fn
-COPY_GBPS = 3000.0  # H100 device-to-device copy, read + write (notes, 2026-11-25)
-NVLINK_GBPS = 450.0  # H100 SXM NVLink 4, one direction (the nominal figure, not measured here)
 SIMILARITY_TOL = 1e-3
 
 
 def _args(argv):
     p = argparse.ArgumentParser(prog="python -m flashgemm.ep.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=128, help="tokens per rank (default 128)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per rank of the correctness check (default 128)")
+    p.add_argument("--sizes", default="1,8,32,128,256",
+                   help="comma-separated tokens per rank to time (default 1,8,32,128,256)")
+    p.add_argument("--baseline", action="store_true",
+                   help="the all_to_all_single dispatch (host-synced) instead of the device dispatch")
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=7168)
@@ -51,9 +58,10 @@ def _args(argv):
     p.add_argument("--rows-per-item", type=int, default=None, help="rows of one combine work item (power of 2)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--layers", type=int, default=0, help="then run this many back-to-back layers (hang test)")
+    p.add_argument("--layers", type=int, default=0, help="then replay the whole layer's graph this many times")
     p.add_argument("--fail-rank", type=int, default=None,
-                   help="rank that skips its combine in one extra layer: every other rank must raise, none hang")
+                   help="rank that skips its down GEMM and combine in one extra layer: every rank must raise, "
+                        "none hang")
     p.add_argument("--drill-polls", type=int, default=20_000,
                    help="bound of each wait in the failure drill (the layers before it keep the default bound, "
                         "which must cover one rank compiling while the other waits)")
@@ -78,6 +86,15 @@ def _no_gpu(args) -> int:
                                     ("st.global.v4 rows", "st.global.v4.b32"),
                                     ("red.release.sys completion", "red.release.sys"),
                                     ("ld.acquire.sys peer wait", "ld.acquire.sys")) if pat in ptx]
+    from .device_dispatch import build_ep_dispatch
+
+    dptx = build_ep_dispatch(args.top_k, not args.bf16, torch.int64, "sm_90a", keep_ptx=True).__ptx__
+    dfeats = [name for name, pat in (("atom.sys row claims", "atom.global.sys.add"),
+                                     ("st.global.v4 rows", "st.global.v4.b32"),
+                                     ("st.release.sys arrival", "st.release.sys"),
+                                     ("ld.acquire.sys peer wait", "ld.acquire.sys")) if pat in dptx]
+    print(f"  compiled the device dispatch for sm_90a (top-{args.top_k}, {'bf16' if args.bf16 else 'fp8'} rows): "
+          f"{', '.join(dfeats)}; no multimem: {'multimem' not in dptx}")
     print(f"  compiled the signalled EP combine for sm_90a: {', '.join(feats)}; no multimem: "
           f"{'multimem' not in ptx}")
     world, experts, tokens, k, hidden = 4, 16, 12, 4, 32
@@ -145,83 +162,26 @@ def _weights(args, e_local, rank, device):
     return MaskedExperts(w13, w2, w13_scale=s13, w2_scale=s2)
 
 
-def _median_us(fn, args):
-    for _ in range(args.warmup):
-        fn()
-    times = [fn() for _ in range(args.iters)]
-    return {k: statistics.median(t[k] for t in times) for k in times[0]}
+def _sized(t, x, ids, w):
+    return x[:t].contiguous(), ids[:t].contiguous(), w[:t].contiguous()
 
 
-def _timed_layer(layer, x, x_scale, ids, w, expected_m, form):
-    """One layer on the current stream with events between its parts: {part: us}."""
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-    ev[0].record()
-    d = layer.dispatch(x, ids, w, x_scale=x_scale)
-    ev[1].record()
-    h, hs = layer.up(d, expected_m)
-    ev[2].record()
-    _, err = layer.down_and_combine(d, h, hs, ids, form=form, expected_m=expected_m)
-    ev[3].record()
-    ev[3].synchronize()
-    from .combine import check_error
-
-    check_error(err, layer.buffers.rank)
-    return {"dispatch": ev[0].elapsed_time(ev[1]) * 1e3, "up": ev[1].elapsed_time(ev[2]) * 1e3,
-            "down+combine": ev[2].elapsed_time(ev[3]) * 1e3, "layer": ev[0].elapsed_time(ev[3]) * 1e3}
-
-
-def _sequential_parts_us(layer, d, h, hs, ids, expected_m, args) -> dict:
-    """The sequential form's parts timed one by one: the down GEMM (all SMs,
-    with signals), the combine kernel (all SMs; its completion step waits
-    for the peers) and the local sum."""
-    from ..api import grouped_gemm_nt_masked, signal_layout
-    from ..signals import alloc_signals
-    from .combine import combine_to_owners, finalize
-
-    ex, buffers = layer.experts, layer.buffers
-    y = torch.empty(h.shape[0], h.shape[1], ex.hidden, dtype=torch.bfloat16, device=h.device)
-    layout = signal_layout(h.shape[0], h.shape[1], ex.hidden, ex.intermediate, expected_m=expected_m,
-                           fp8=ex.fp8, device=h.device)
-    signals = alloc_signals(layout, h.device)
-    err = torch.zeros(1, dtype=torch.int32, device=h.device)
-
-    def run():
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        signals.zero_()
-        ev[0].record()
-        grouped_gemm_nt_masked(h, ex.w2, y, d.masked_m, a_scale=hs, b_scale=ex.w2_scale, expected_m=expected_m,
-                               dst_signals=signals)
-        ev[1].record()
-        combine_to_owners(y, d.masked_m, signals, layout, d.routing, buffers, num_sms=layer.sm_count,
-                          rows_per_item=layer.rows_per_item, err=err)
-        ev[2].record()
-        finalize(buffers, ids)
-        ev[3].record()
-        ev[3].synchronize()
-        return {"down": ev[0].elapsed_time(ev[1]) * 1e3, "combine": ev[1].elapsed_time(ev[2]) * 1e3,
-                "sum": ev[2].elapsed_time(ev[3]) * 1e3}
-
-    parts = _median_us(run, args)
-    from .combine import check_error
-
-    check_error(err, buffers.rank)
-    return parts
-
-
-def _failing_layer(layer, x, x_scale, ids, w, expected_m, rank, fail_rank) -> str:
-    """One layer in which ``fail_rank`` skips its down GEMM and combine (as a
-    rank that died there would): what this rank then sees."""
+def _failure_drill(layer, x, ids, w, rank, fail_rank, expected_m) -> str:
+    """Rank ``fail_rank`` skips its down GEMM and combine in one layer (as a
+    rank that died there would); every rank then runs one more whole layer.
+    Every other rank's wait gives up in the first layer; the failed rank
+    learns of it at the next arrival (the word is sticky)."""
     from .combine import check_error
     from .layer import CombineForm
 
-    d = layer.dispatch(x, ids, w, x_scale=x_scale)
+    d = layer.dispatch(x, ids, w)
     h, hs = layer.up(d, expected_m)
-    if rank == fail_rank:
-        return f"rank {rank}: skipped its combine on purpose"
-    _, err = layer.down_and_combine(d, h, hs, ids, form=CombineForm.FUSED, expected_m=expected_m)
+    if rank != fail_rank:
+        layer.down_and_combine(d, h, hs, ids, form=CombineForm.FUSED, expected_m=expected_m)
+    layer(x, ids, w, expected_m=expected_m, form=CombineForm.FUSED)
     torch.cuda.synchronize()
     try:
-        check_error(err, rank)
+        check_error(layer.recv.err, rank)
     except RuntimeError as raised:
         return f"raised RuntimeError: {raised}"
     return f"rank {rank}: NO ERROR RAISED"
@@ -230,10 +190,12 @@ def _failing_layer(layer, x, x_scale, ids, w, expected_m, rank, fail_rank) -> st
 def _run(args) -> int:
     import torch.distributed as dist
 
-    from ..quant import quantize_fp8_per_token
+    from ..api import grouped_gemm_nt_masked
     from ..reference import similarity
+    from ..timing import capture_graph
     from .buffers import alloc_token_buffers
     from .combine import check_error
+    from .device_dispatch import alloc_dispatch_buffers
     from .layer import CombineForm, EpMoELayer
     from .reference import ep_layer_ref
 
@@ -241,28 +203,46 @@ def _run(args) -> int:
     device = torch.device("cuda", local)
     if args.experts % world:
         raise SystemExit(f"--experts {args.experts} must be a multiple of the world size {world}")
+    sizes = sorted({int(v) for v in args.sizes.split(",")}) if args.sizes else [args.tokens]
+    t_max = max(sizes + [args.tokens])
     e_local = args.experts // world
+    fp8 = not args.bf16
     _say(rank, f"EP{world} MoE layer, DeepSeek-V3 shapes: {args.experts} experts ({e_local} per rank), "
-               f"top-{args.top_k}, H {args.hidden}, I {args.intermediate}, {args.tokens} tokens/rank, "
-               f"{'bf16' if args.bf16 else 'fp8 block-scaled'}")
+               f"top-{args.top_k}, H {args.hidden}, I {args.intermediate}, up to {t_max} tokens/rank, "
+               f"{'fp8 block-scaled' if fp8 else 'bf16'}")
     _say(rank, f"engine: torch symmetric memory (CUDA backend), multicast off "
                f"({', '.join(f'{k}={v}' for k, v in multicast_off_env().items())}); "
-               f"dispatch: all_to_all_single baseline")
+               f"dispatch: {'all_to_all_single baseline' if args.baseline else 'device kernel (no host sync)'}")
     experts = _weights(args, e_local, rank, device)
-    buffers = alloc_token_buffers(args.tokens, args.hidden, args.top_k, device=device)
+    buffers = alloc_token_buffers(t_max, args.hidden, args.top_k, device=device)
+    recv = None if args.baseline else alloc_dispatch_buffers(t_max, args.hidden, args.top_k, args.experts,
+                                                            fp8=fp8, device=device)
     layer = EpMoELayer(experts, args.experts, buffers, combine_sms=args.combine_sms,
-                       rows_per_item=args.rows_per_item)
+                       rows_per_item=args.rows_per_item, recv=recv)
     g = torch.Generator(device=device).manual_seed(args.seed + 17 * (rank + 1))
-    x = torch.randn(args.tokens, args.hidden, generator=g, device=device).to(torch.bfloat16)
-    ids = torch.topk(torch.rand(args.tokens, args.experts, generator=g, device=device), args.top_k).indices
-    w = torch.softmax(torch.randn(args.tokens, args.top_k, generator=g, device=device), dim=1)
-    x_scale = None
-    if not args.bf16:
-        x, x_scale = quantize_fp8_per_token(x, m_major=False)
-    expected_m = max(1, args.tokens * world * args.top_k // args.experts)
+    x_all = torch.randn(t_max, args.hidden, generator=g, device=device).to(torch.bfloat16)
+    ids_all = torch.topk(torch.rand(t_max, args.experts, generator=g, device=device), args.top_k).indices
+    w_all = torch.softmax(torch.randn(t_max, args.top_k, generator=g, device=device), dim=1)
     forms = (CombineForm.FUSED, CombineForm.SIGNALLED, CombineForm.SEQUENTIAL)
 
-    ref = ep_layer_ref(experts, x, ids, w, args.experts, x_scale=x_scale, rank=rank, world=world)
+    def inputs(t):
+        x, ids, w = _sized(t, x_all, ids_all, w_all)
+        if args.baseline and fp8:
+            from ..quant import quantize_fp8_per_token
+
+            return (*quantize_fp8_per_token(x, m_major=False), ids, w)
+        return x, None, ids, w
+
+    def reference(x, x_scale, ids, w):
+        if fp8 and x_scale is None:
+            from ..quant import quantize_fp8_per_token
+
+            x, x_scale = quantize_fp8_per_token(x, m_major=False)
+        return ep_layer_ref(experts, x, ids, w, args.experts, x_scale=x_scale, rank=rank, world=world)
+
+    x, x_scale, ids, w = inputs(args.tokens)
+    expected_m = max(1, args.tokens * world * args.top_k // args.experts)
+    ref = reference(x, x_scale, ids, w)
     diffs = []
     for form in forms:
         out, err = layer(x, ids, w, x_scale=x_scale, expected_m=expected_m, form=form)
@@ -273,79 +253,133 @@ def _run(args) -> int:
     if world > 1:
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
     ok = bool((diffs < SIMILARITY_TOL).all())
-    _say(rank, "  tokens vs all-gather reference, worst similarity diff over ranks: "
+    _say(rank, f"  {args.tokens} tokens/rank vs all-gather reference, worst similarity diff over ranks: "
                + ", ".join(f"{f.value} {float(v):.1e}" for f, v in zip(forms, diffs))
                + f" -> {'OK' if ok else 'FAILED'}")
+    if args.baseline:
+        return _baseline_times(layer, x, x_scale, ids, w, expected_m, forms, args, rank, world, device, ok)
 
-    times = {}
-    for _ in range(args.warmup):
-        for form in forms:
-            _timed_layer(layer, x, x_scale, ids, w, expected_m, form)
-    runs = {form: [] for form in forms}
-    for _ in range(args.iters):  # the forms interleaved, so clocks and power state are shared
-        for form in forms:
-            runs[form].append(_timed_layer(layer, x, x_scale, ids, w, expected_m, form))
-    for form in forms:
-        times[form] = {k: statistics.median(t[k] for t in runs[form]) for k in runs[form][0]}
-    d = layer.dispatch(x, ids, w, x_scale=x_scale)
-    h, hs = layer.up(d, expected_m)
-    parts = _sequential_parts_us(layer, d, h, hs, ids, expected_m, args)
-    rows = int(d.masked_m.sum())
-    active = int((d.masked_m > 0).sum())
-    w2_bytes = active * experts.w2[0].numel() * experts.w2.element_size()
-    down_bytes = w2_bytes + rows * (experts.intermediate * h.element_size() + experts.hidden * 2)
-    remote = int((d.routing.src_rank[d.routing.src_rank >= 0] != rank).sum())
-    row_bytes = 2 * experts.hidden  # a weighted bf16 row into the receive buffer
-    keys = ("dispatch", "up", "down+combine", "layer")
-    stats = torch.tensor([times[f][k] for f in forms for k in keys] + [parts["down"], parts["combine"], parts["sum"]],
-                         device=device, dtype=torch.float64)
-    if world > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    s = stats.tolist()
-    t = {f: dict(zip(keys, s[4 * i:4 * i + 4])) for i, f in enumerate(forms)}
-    down, combine_us, sum_us = s[-3:]
-    fused, sig, seq = (t[f] for f in forms)
-    _say(rank, f"  (rank 0's counts: {rows} rows in {active} active experts, {remote} rows to other ranks; "
-               f"times: median of {args.iters}, forms interleaved, the slowest rank)")
-    _say(rank, f"    dispatch (all_to_all_single)              {seq['dispatch']:8.1f} us")
-    _say(rank, f"    gate_up GEMM + SwiGLU                     {seq['up']:8.1f} us")
-    _say(rank, f"    down GEMM alone (with signals)            {down:8.1f} us   {down_bytes / down / 1e3:6.0f} GB/s "
-               f"({down_bytes / down / 1e3 / COPY_GBPS:4.0%} of copy)")
-    _say(rank, f"    combine kernel alone (all SMs)            {combine_us:8.1f} us   "
-               f"{remote * row_bytes / 1e6:.1f} MB to peers: {remote * row_bytes / combine_us / 1e3:.0f} GB/s against ~{NVLINK_GBPS:.0f} GB/s per "
-               f"direction (bound {remote * row_bytes / NVLINK_GBPS / 1e3:.1f} us)")
-    _say(rank, f"    sum of each token's k rows                {sum_us:8.1f} us   "
-               f"{buffers.recv[:args.tokens].numel() * 2 / sum_us / 1e3:.0f} GB/s of rows read")
-    _say(rank, f"    down GEMM, then combine + sum (sequential) {seq['down+combine']:7.1f} us")
-    for name, part in (("fused into the GEMM epilogue", fused), ("signalled, overlapped", sig)):
-        _say(rank, f"    down GEMM + combine + sum, {name:28s} {part['down+combine']:8.1f} us   "
-                   f"{seq['down+combine'] / part['down+combine']:.2f}x the sequential")
-    for name, part in (("sequential", seq), ("fused", fused), ("signalled", sig)):
-        _say(rank, f"    whole layer, {name:10s}                   {part['layer']:8.1f} us   "
-                   f"{seq['layer'] / part['layer']:.2f}x the sequential")
+    _say(rank, "  per size: the whole layer (fused form) replayed from one CUDA graph, against the same rank's "
+               "GEMMs alone (gate_up + SwiGLU, down) from a graph, on the same rows; medians, the slowest rank")
+    _say(rank, f"  {'T/rank':>6} {'layer us':>9} {'GEMMs us':>9} {'ratio':>6} {'sig. us':>8} {'disp. us':>9} "
+               f"{'bound us':>9} {'d/(2b+10)':>9} {'peer GB/s':>9} {'comb. us':>9} {'comb/peer':>9} {'check':>8}")
+    rate_lines = []
+    for t in sizes:
+        x, _, ids, w = inputs(t)
+        em = max(1, t * world * args.top_k // args.experts)
+        layers = []
+        graphs = {form: capture_graph(lambda form=form: layers.append(
+            layer(x, ids, w, expected_m=em, form=form)), calls=1) for form in forms[:2]}
+        buffers.tokens.fill_(float("nan"))
+        graphs[CombineForm.FUSED].replay()
+        torch.cuda.synchronize()
+        check_error(layers[-1][1], rank)
+        sim = similarity(buffers.tokens[:t].clone(), reference(x, None, ids, w)) if t else 0.0
+        d = layer.dispatch(x, ids, w)
+        torch.cuda.synchronize()
+        y = torch.empty(e_local, recv.max_m, args.hidden, dtype=torch.bfloat16, device=device)
+
+        def gemms():
+            h, hs = layer.up(d, em)
+            grouped_gemm_nt_masked(h, experts.w2, y, d.masked_m, a_scale=hs, b_scale=experts.w2_scale,
+                                   expected_m=em)
+
+        gemm_graph = capture_graph(gemms, calls=1)
+        whole, alone, sig = [], [], []
+        for i in range(args.warmup + args.iters):  # interleaved: clocks and power state shared
+            a = parts.graph_us(graphs[CombineForm.FUSED], 1)
+            b = parts.graph_us(gemm_graph, 1)
+            c = parts.graph_us(graphs[CombineForm.SIGNALLED], 1)
+            if i >= args.warmup:
+                whole += a
+                alone += b
+                sig += c
+        torch.cuda.synchronize()
+        check_error(recv.err, rank)
+        d = layer.dispatch(x, ids, w)
+        sent, received = parts.dispatch_bytes(recv, d, ids, rank, world, e_local, device)
+        remote = int(((d.routing.src_rank != rank) & (torch.arange(recv.max_m, device=device)[None]
+                                                       < d.masked_m[:, None])).sum()) * 2 * args.hidden
+        h, hs = layer.up(d, em)
+        seq = parts.sequential_parts_us(layer, d, h, hs, ids, em, args)
+        disp = parts.dispatch_alone_us(layer, x, ids, w, args)
+        worst = max(sent, received)
+        rates = parts.peer_copy_gbps(recv, args) if world > 1 else {"engines": 0.0, "sms": 0.0}
+        stats = torch.tensor([statistics.median(whole), statistics.median(alone), statistics.median(sig), disp,
+                              -max(rates.values()), seq["combine"], sim, remote, -rates["engines"],
+                              -rates["sms"]], device=device, dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # times: the slowest rank; rates: the slowest (negated)
+        lay_us, gem_us, sig_us, disp_us, peer_gbps, comb_us, sim, remote, ce, sm = stats.tolist()
+        peer_gbps, ce, sm = -peer_gbps, -ce, -sm
+        bound = worst / peer_gbps / 1e3 if world > 1 else float("nan")
+        comb_rate = remote / comb_us / 1e3 if comb_us else float("nan")
+        rate_lines.append(f"  {t:6d} tokens/rank: peer copy {ce:.0f} GB/s by the copy engines, {sm:.0f} GB/s by "
+                          f"an SM kernel ({parts.RATE_BYTES >> 20} MiB per rank, every rank at once); the dispatch "
+                          f"moves {worst / 1e6:.2f} MB at most per rank, the combine {remote / 1e6:.2f} MB "
+                          f"({comb_rate:.0f} GB/s), the down GEMM alone {seq['down']:.1f} us")
+        good = sim < SIMILARITY_TOL
+        ok = ok and good
+        _say(rank, f"  {t:6d} {lay_us:9.1f} {gem_us:9.1f} {lay_us / gem_us:6.3f} {sig_us:8.1f} {disp_us:9.1f} "
+                   f"{bound:9.1f} {disp_us / (2 * bound + 10):9.2f} {peer_gbps:9.0f} {comb_us:9.1f} "
+                   f"{comb_rate / peer_gbps if world > 1 else float('nan'):9.2f} "
+                   f"{'OK' if good else 'FAILED'} {sim:.0e}")
+    for line in rate_lines:
+        _say(rank, line)
     if world == 1:
-        _say(rank, "  world size 1: the combine wrote into this GPU's own buffer; NVLink bounds and the 1.2x "
-                   "bar need 2+ GPUs")
+        _say(rank, "  world size 1: the dispatch and the combine wrote into this GPU's own buffers; the NVLink "
+                   "bounds need 2+ GPUs")
 
-    for i in range(args.layers):
-        out, err = layer(x, ids, w, x_scale=x_scale, expected_m=expected_m, form=forms[i % 2])
-        if i % 100 == 99 or i == args.layers - 1:
-            torch.cuda.synchronize()
-            check_error(err, rank)
     if args.layers:
-        final = similarity(out.clone(), ref)
-        _say(rank, f"  {args.layers} back-to-back layers (fused and signalled alternating): no hang, no error "
+        x, _, ids, w = inputs(args.tokens)
+        outs = []
+        graph = capture_graph(lambda: outs.append(layer(x, ids, w, expected_m=expected_m)), calls=1)
+        for _ in range(args.layers):
+            graph.replay()
+        torch.cuda.synchronize()
+        check_error(outs[-1][1], rank)
+        final = similarity(outs[-1][0].clone(), reference(x, None, ids, w))
+        _say(rank, f"  {args.layers} graph replays of the whole layer back to back: no hang, no error "
                    f"word; last layer's similarity diff {final:.1e}")
         ok = ok and final < SIMILARITY_TOL
     if args.fail_rank is not None:
         layer.max_polls = args.drill_polls
-        seen = _failing_layer(layer, x, x_scale, ids, w, expected_m, rank, args.fail_rank)
-        print(f"  failure drill (rank {args.fail_rank} skips its combine): rank {rank}: {seen}", flush=True)
-        ok = ok and ("raised RuntimeError" in seen or rank == args.fail_rank)
+        x, _, ids, w = inputs(args.tokens)
+        seen = _failure_drill(layer, x, ids, w, rank, args.fail_rank, expected_m)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, seen)  # one line per rank, printed whole by rank 0
+        for r, text in enumerate(everyone):
+            _say(rank, f"  failure drill (rank {args.fail_rank} skips its down GEMM and combine): rank {r}: {text}")
+        ok = ok and "raised RuntimeError" in seen
         dist.barrier()
         dist.destroy_process_group()  # the flags no longer agree: these buffers are not reused
         return 0 if ok else 1
     buffers.barrier(timeout_ms=60_000)  # the engine's signal-pad barrier (no multicast), once at the end
+    torch.cuda.synchronize()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+def _baseline_times(layer, x, x_scale, ids, w, expected_m, forms, args, rank, world, device, ok) -> int:
+    """The ``all_to_all_single`` baseline's parts, eager, forms interleaved."""
+    import torch.distributed as dist
+
+    runs = {form: [] for form in forms}
+    for i in range(args.warmup + args.iters):
+        for form in forms:
+            t = parts.timed_layer(layer, x, x_scale, ids, w, expected_m, form)
+            if i >= args.warmup:
+                runs[form].append(t)
+    keys = ("dispatch", "up", "down+combine", "layer")
+    stats = torch.tensor([statistics.median(t[k] for t in runs[f]) for f in forms for k in keys],
+                         device=device, dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    s = stats.tolist()
+    for i, form in enumerate(forms):
+        _say(rank, f"    {form.value:10s} dispatch {s[4 * i]:8.1f} us, gate_up + SwiGLU {s[4 * i + 1]:8.1f} us, "
+                   f"down + combine + sum {s[4 * i + 2]:8.1f} us, whole layer {s[4 * i + 3]:8.1f} us")
+    layer.buffers.barrier(timeout_ms=60_000)
     torch.cuda.synchronize()
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -46,14 +46,15 @@ class Dispatched:
     ceil(H/128)] float32, M-contiguous when max_m % 4 == 0, the layout the
     GEMM loads in place); rows >= masked_m[e] are not written. masked_m:
     [E_local] int32 on the device. routing: the combine's (src rank, src
-    token, top-k slot, weight) per row."""
+    token, top-k slot, weight) per row. send / receive: the host plans of
+    this baseline, None after the device dispatch."""
 
     x: torch.Tensor
     x_scale: Optional[torch.Tensor]
     masked_m: torch.Tensor
     routing: CombineRouting
-    send: SendPlan
-    receive: ReceivePlan
+    send: Optional[SendPlan]
+    receive: Optional[ReceivePlan]
 
     @property
     def max_m(self) -> int:
