@@ -6,18 +6,17 @@ heuristic, the configuration rules and the kernels.
 
 from __future__ import annotations
 
-import functools
+import re
 from typing import Optional
 
 import torch
 
 from .blockscaled_args import check_alpha, format_of, infer_format, validate_blockscaled_args
 from .formats import Format, check_format_on
-from .jit.arch import backend_name, device_facts
-from .config import Epilogue, GemmConfig, KernelSpec, Operands, Tail
-from .signals import SignalLayout, check_granularity, make_signal_layout, validate_signals
+from .jit.arch import backend_name, default_arch, device_facts
+from .config import Epilogue, GemmConfig, KernelSpec, Operands
+from .signals import SignalLayout, check_granularity, check_signal_buffer, make_signal_layout, validate_signals
 from .sm90.heuristic import choose_config
-from .sm90.limits import check_config
 from .routing import COMBINE_FIELDS, Combine, check_combine, combine_epilogue
 from .validation import (
     _FP8,
@@ -27,18 +26,23 @@ from .validation import (
     check_expected_m,
     check_no_alias,
     check_num_sms,
+    check_options,
+    check_problem_sizes,
+    check_tail_with_signals,
     out_dtype,
     tma_ready_a_scale,
     validate_args,
     validate_device,
+    validated_config,
 )
 from . import workspace
 
 
-@functools.lru_cache(maxsize=64)
-def _validated(config: GemmConfig, operands: Operands, epilogue: Epilogue = Epilogue.STORE) -> GemmConfig:
-    # configs are frozen: validate each one once per process
-    return check_config(config, operands, epilogue)
+def _target_capability() -> tuple[int, int]:
+    """The compute capability of the compile target (``jit.arch.default_arch``:
+    $CUTE_DSL_ARCH, else sm_90a without a GPU), e.g. "sm_100a" -> (10, 0)."""
+    match = re.fullmatch(r"sm_(\d+)(\d)a?", default_arch())
+    return (int(match[1]), int(match[2])) if match else (0, 0)
 
 
 def _resolve_config(
@@ -49,8 +53,8 @@ def _resolve_config(
         return choose_config(expected_m, max_m, n, k, grid_cap, fp8, num_experts, signals, combine)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(config).__name__}")
-    return _validated(config, Operands.FP8_BLOCK if fp8 else Operands.BF16,
-                      Epilogue.COMBINE if combine else Epilogue.STORE)
+    return validated_config(config, Operands.FP8_BLOCK if fp8 else Operands.BF16,
+                            Epilogue.COMBINE if combine else Epilogue.STORE)
 
 
 def signal_layout(
@@ -74,18 +78,31 @@ def signal_layout(
     ``fmt``: the call's operand format (a ``flashgemm.Format`` or its value,
     "bf16", "fp8_block128", "mxfp8", "nvfp4"; default bf16), or the older
     ``fp8=True`` for float8_e4m3fn operands with fp32 scales. ``k`` is in
-    elements for every format (NVFP4's packed a has k / 2 bytes per row)."""
+    elements for every format (NVFP4's packed a has k / 2 bytes per row).
+    With ``num_sms`` and no GPU visible, the layout is that of the compile
+    target's kernels (``$CUTE_DSL_ARCH``, default sm_90a): no device is needed."""
     fmt = format_of(fmt, fp8)
-    if device is None:
-        if not torch.cuda.is_available():
-            raise ValueError("signal_layout needs a CUDA device (pass device=...)")
-        device = torch.device("cuda", torch.cuda.current_device())
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"device must be a CUDA device, got {device}")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    capability, sm_count, _ = device_facts(index)
-    grid_cap = check_num_sms(num_sms, sm_count, device)
+    check_problem_sizes(fmt, num_experts, max_m, n, k)
+    check_options(fmt, config, expected_m, num_sms, signals=True, combine=False)
+    check_granularity(signal_granularity)
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device must be a CUDA device, got {device!r}") from None
+        if device.type != "cuda":
+            raise ValueError(f"device must be a CUDA device, got {device}")
+    if num_sms is not None and not torch.cuda.is_available():
+        # nothing to ask: the SM count is given, the arch is the compile target's
+        capability, grid_cap = _target_capability(), num_sms
+    else:
+        if device is None:
+            if not torch.cuda.is_available():
+                raise ValueError("signal_layout needs a CUDA device, or num_sms (pass device=... or num_sms=...)")
+            device = torch.device("cuda", torch.cuda.current_device())
+        index = torch.cuda.current_device() if device.index is None else device.index
+        capability, sm_count, _ = device_facts(index)
+        grid_cap = check_num_sms(num_sms, sm_count, device)
     backend = backend_name(capability)
     if backend is not None:
         check_format_on(fmt, backend)
@@ -207,7 +224,8 @@ def grouped_gemm_nt_masked(
         plan = _PLANS.get(key)
         if plan is not None and not plan.pointers_ok(a, b, masked_m, out, a_scale, b_scale, dst_signals, extra):
             plan = None
-    except (AttributeError, TypeError):  # not tensors, unhashable: the full checks explain
+    except (AttributeError, TypeError, RuntimeError):
+        # not tensors, unhashable, or without strides (sparse): the full checks explain
         key, plan = None, None
     if plan is not None:
         try:
@@ -262,7 +280,7 @@ def _combine_call(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, co
         if plan is not None and not plan.pointers_ok(a, b, masked_m, out, a_scale, b_scale, dst_signals,
                                                      routing):
             plan = None
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, RuntimeError):  # as in grouped_gemm_nt_masked
         key, plan = None, None
     if plan is not None:
         try:
@@ -392,8 +410,8 @@ def _make_plan(
     if fmt.block_scaled:
         sizes = validate_blockscaled_args(fmt, a, b, out, masked_m, a_scale, b_scale, alpha)
     else:
-        check_alpha(fmt, alpha, 0)
         sizes = validate_args(a, b, out, masked_m, a_scale, b_scale)
+        check_alpha(fmt, alpha, sizes[0])  # (after a's checks: an alpha may mean a's dtype is the mistake)
     e_count, max_m, n, k = sizes
     routing = ()
     if combine is not None and fmt.block_scaled:
@@ -401,17 +419,22 @@ def _make_plan(
     if combine is not None:
         routing = check_combine(combine, out, dst_signals, e_count, max_m, n,
                                 {"a": a, "b": b, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale})
+    # the other arguments' metadata, still before the device
+    check_options(fmt, config, expected_m, num_sms, signals=dst_signals is not None, combine=combine is not None)
+    check_granularity(signal_granularity)
+    tensors = {"a": a, "b": b, "out": out, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale,
+               "alpha": alpha}
+    if dst_signals is not None:
+        check_signal_buffer(dst_signals, e_count)
+        check_no_alias("dst_signals", _byte_span(dst_signals), tensors)
     fp8 = a.dtype == _FP8
     index = a.device.index if a.device.type == "cuda" else None
     if index is not None:
         capability, sm_count, name = device_facts(index)
     else:  # validate_device rejects the non-CUDA tensor
         capability, sm_count, name = (0, 0), 0, ""
-    grid_cap = validate_device(
-        {"a": a, "b": b, "out": out, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale,
-         "alpha": alpha, "dst_signals": dst_signals, **dict(zip(COMBINE_FIELDS, routing))},
-        num_sms, capability, sm_count, name,
-    )
+    grid_cap = validate_device({**tensors, "dst_signals": dst_signals, **dict(zip(COMBINE_FIELDS, routing))},
+                               num_sms, capability, sm_count, name)
     backend = backend_name(capability) or "sm90"  # (validate_device refused GPUs without one)
     check_format_on(fmt, backend)
     if backend != "sm90":
@@ -430,18 +453,10 @@ def _make_plan(
     if grid_cap < cn:
         raise ValueError(f"config.cluster_n={cn} needs num_sms >= {cn}, got {grid_cap}")
     layout = None
-    if dst_signals is not None and config.tail is Tail.SPLIT:
-        raise ValueError(
-            "config.tail=SPLIT cannot publish dst_signals (the two halves of a split "
-            "tile finish on different CTAs); pass a config with another tail"
-        )
+    check_tail_with_signals(config, dst_signals is not None)  # (the heuristic's pick too)
     if dst_signals is not None:
         layout = make_signal_layout(signal_granularity, max_m, n, config.tile_m, config.tile_n, e_count)
         validate_signals(dst_signals, layout, a.device)
-        others = {"a": a, "b": b, "out": out, "a_scale": a_scale, "b_scale": b_scale, "masked_m": masked_m}
-        check_no_alias("dst_signals", _byte_span(dst_signals), others)
-    else:
-        check_granularity(signal_granularity)
 
     # Persistent grid: never more clusters than units of work could use.
     num_ctas = cn * config.grid_clusters(e_count, max_m, n, grid_cap)

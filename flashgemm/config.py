@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import typing
+from collections.abc import Hashable
 from typing import Optional
 
 
@@ -149,13 +152,25 @@ class GemmConfig:
     l2_warmup: bool = True
 
     def __post_init__(self):
+        values = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        for f, value in zip(dataclasses.fields(self), values):
+            if not isinstance(value, Hashable):  # (hash() would not say which field)
+                raise TypeError(f"GemmConfig.{f.name} must be {_expected(_field_types(GemmConfig)[f.name])}, "
+                                f"got {type(value).__name__}")
         # Hashed into the launch-plan key on every call: compute it once.
-        object.__setattr__(
-            self, "_hash", hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
-        )
+        object.__setattr__(self, "_hash", hash(values))
+        # Equality sees the field types: 128.0 == 128 and True == 1, so an
+        # ill-typed config would otherwise match a valid one's cached checks
+        # and plans and never reach check_fields.
+        object.__setattr__(self, "_typed", tuple((type(v), v) for v in values))
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __eq__(self, other) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._typed == other._typed
 
     def replace(self, **changes) -> "GemmConfig":
         return dataclasses.replace(self, **changes)
@@ -214,11 +229,7 @@ class GemmConfig:
     def check_fields(self, operands: Operands) -> "GemmConfig":
         """The arch-neutral rules: field types and the combinations no kernel
         implements. Raises ValueError naming the field."""
-        for name, kind in (("order", TileOrder), ("tail", Tail), ("promotion", Promotion),
-                           ("staging", Staging)):
-            if not isinstance(getattr(self, name), kind):
-                raise ValueError(f"config.{name} must be a flashgemm.{kind.__name__}, "
-                                 f"got {getattr(self, name)!r}")
+        check_field_types(self)
         if self.tile_m not in (64, 128, 192):
             raise ValueError(f"config.tile_m must be 64, 128 or 192 (64 rows per consumer "
                              f"warpgroup), got {self.tile_m}")
@@ -273,6 +284,37 @@ class GemmConfig:
             + ("" if self.pdl else "-nopdl")
             + ("" if self.l2_warmup else "-nowarm")
         )
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(cls) -> dict:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _expected(kind) -> str:
+    if kind is bool:
+        return "a bool"
+    if kind is int:
+        return "an int"
+    # this module's enums are exported as flashgemm.<name>; others by their module
+    return f"a {'flashgemm' if kind.__module__ == __name__ else kind.__module__}.{kind.__name__}"
+
+
+def check_field_types(config) -> None:
+    """Each field of a config dataclass holds its annotated type: an int
+    field a real int (not a bool, not a float: the kernel builders take them
+    as compile-time constants), a bool field a real bool (a truthy string
+    would turn a feature on), an enum field its enum. Raises ValueError
+    naming the field and the type expected."""
+    for name, kind in _field_types(type(config)).items():
+        value = getattr(config, name)
+        if kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            raise ValueError(f"config.{name} must be {_expected(kind)}, got {value!r} ({type(value).__name__})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,10 +74,14 @@ def check_combine(combine, out, dst_signals, e_count: int, max_m: int, n: int, i
                     "combine.err": err}.items():
         if t is not None and _overlaps(span_out, _byte_span(t)):
             raise ValueError(f"combine.output must not overlap {name}")
-    if _overlaps(_byte_span(err), _byte_span(token_index)) or _overlaps(_byte_span(err), _byte_span(weight)):
-        raise ValueError("combine.err must not overlap the routing tensors")
     if peers is not None:
         _check_peers(peers, output, span_out)
+    # a bad token ORs its bit into err: no other tensor of the call may share a byte with it
+    span_err = _byte_span(err)
+    for name, t in {**inputs, "combine.token_index": token_index, "combine.weight": weight,
+                    "combine.peers": peers}.items():
+        if t is not None and _overlaps(span_err, _byte_span(t)):
+            raise ValueError(f"combine.err must not overlap {name}")
     return token_index, weight, output, err, peers
 
 

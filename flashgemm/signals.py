@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from .validation import check_dense
+
 GRANULARITIES = ("m_block", "expert")
 # A combine's work item: this many rows of one GEMM m-block (docs/design.md, Signals).
 DEFAULT_ROWS_PER_ITEM = 4
@@ -93,9 +95,10 @@ def alloc_signals(layout: SignalLayout, device=None) -> torch.Tensor:
     return torch.zeros(layout.size, dtype=torch.int32, device=device)
 
 
-def validate_signals(dst_signals, layout: SignalLayout, device: Optional[torch.device]) -> None:
+def _check_buffer(dst_signals) -> None:
     if not isinstance(dst_signals, torch.Tensor):
         raise TypeError(f"dst_signals must be a torch.Tensor, got {type(dst_signals).__name__}")
+    check_dense("dst_signals", dst_signals)
     if dst_signals.dtype != torch.int32:
         raise TypeError(f"dst_signals must have dtype torch.int32, got {dst_signals.dtype}")
     if dst_signals.dim() != 1 or not dst_signals.is_contiguous():
@@ -103,6 +106,23 @@ def validate_signals(dst_signals, layout: SignalLayout, device: Optional[torch.d
             f"dst_signals must be a contiguous 1-D tensor, got shape {tuple(dst_signals.shape)} "
             f"strides {tuple(dst_signals.stride())}"
         )
+
+
+def check_signal_buffer(dst_signals, num_experts: int) -> None:
+    """What the call can check of ``dst_signals`` before its layout is known
+    (the layout follows the config, which may need the GPU's SM count): an
+    int32 contiguous 1-D tensor with at least one counter per expert, the
+    smallest size of either granularity."""
+    _check_buffer(dst_signals)
+    if dst_signals.numel() < num_experts:
+        raise ValueError(
+            f"dst_signals needs at least {num_experts} entries (one per expert for 'expert'; "
+            f"one per expert and m-block for 'm_block'), got {dst_signals.numel()}"
+        )
+
+
+def validate_signals(dst_signals, layout: SignalLayout, device: Optional[torch.device]) -> None:
+    _check_buffer(dst_signals)
     if dst_signals.numel() < layout.size:
         raise ValueError(
             f"dst_signals needs at least {layout.size} entries for granularity "

@@ -8,11 +8,17 @@ expected.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
 
+from .config import Epilogue, GemmConfig, Operands, Tail, check_field_types
+from .formats import Format
 from .jit.arch import backend_name
+from .sm100.config import Sm100Config
+from .sm100.limits import check_config as check_sm100_config
+from .sm90.limits import check_config
 
 _AB_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 _FP8 = torch.float8_e4m3fn
@@ -21,9 +27,19 @@ _TMA_ALIGN = 16  # bytes: TMA base address and stride granularity
 _MAX_DIM = 2**31 - 1  # extents are int32 in the kernel
 
 
+def check_dense(name: str, t: torch.Tensor) -> None:
+    """A strided tensor: sparse, nested and other layouts have no strides or
+    base address for the checks to read (their accessors raise)."""
+    if t.is_nested:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got a nested tensor")
+    if t.layout is not torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+
+
 def _check_tensor(name: str, t, rank: int, dtypes: Sequence[torch.dtype]) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(name, t)
     if t.dtype not in dtypes:
         want = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
@@ -194,13 +210,11 @@ def validate_args(a, b, out, masked_m, a_scale=None, b_scale=None) -> tuple[int,
     n, b_k = check_expert_dims(a, b)
     if b_k != k:
         raise ValueError(f"b.shape[2] must equal K={k} of a, got {b_k}")
-    # 16-byte TMA rows: K % 8 for 16-bit operands, K % 16 for fp8 (N likewise,
-    # for the fp8 weight rows' own 16-byte rule)
-    mult = 16 if a.dtype == _FP8 else 8
-    if k < mult or k % mult:
-        raise ValueError(f"K (a.shape[2]) must be a positive multiple of {mult}, got {k}")
-    if n < mult or n % mult:
-        raise ValueError(f"N (b.shape[1]) must be a positive multiple of {mult}, got {n}")
+    n_mult, k_mult = dim_multiples(Format.FP8_BLOCK128 if a.dtype == _FP8 else Format.BF16)
+    if k < k_mult or k % k_mult:
+        raise ValueError(f"K (a.shape[2]) must be a positive multiple of {k_mult}, got {k}")
+    if n < n_mult or n % n_mult:
+        raise ValueError(f"N (b.shape[1]) must be a positive multiple of {n_mult}, got {n}")
     check_masked_m(masked_m, e_count)
     _check_scales(a, b, a_scale, b_scale, e_count, max_m, n, k)
     if out is not None:
@@ -219,6 +233,36 @@ def validate_args(a, b, out, masked_m, a_scale=None, b_scale=None) -> tuple[int,
     return e_count, max_m, n, k
 
 
+def dim_multiples(fmt: Format) -> tuple[int, int]:
+    """(N, K) multiples a call with ``fmt`` operands needs, K in elements.
+
+    16-byte TMA rows: K % 8 for 16-bit operands, K % 16 for fp8 (N likewise,
+    for the fp8 weight rows' own 16-byte rule). MXFP8 / NVFP4 (checked in
+    ``blockscaled_args``): K whole scale blocks, N whole 16-byte bf16 rows."""
+    if fmt is Format.FP8_BLOCK128:
+        return 16, 16
+    if fmt.block_scaled:
+        return 8, fmt.k_align
+    return 8, 8
+
+
+def check_problem_sizes(fmt: Format, num_experts, max_m, n, k) -> None:
+    """A problem given by its sizes (``signal_layout``): ints >= 1, with N and
+    K the multiples a call with ``fmt`` operands needs (``dim_multiples``)."""
+    for name, value in (("num_experts", num_experts), ("max_m", max_m), ("n", n), ("k", k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    n_mult, k_mult = dim_multiples(fmt)
+    if n % n_mult:
+        raise ValueError(f"n (the call's N, b.shape[1]) must be a multiple of {n_mult} for {fmt.value} "
+                         f"operands, got {n}")
+    if k % k_mult:
+        raise ValueError(f"k (the call's K, in elements) must be a multiple of {k_mult} for {fmt.value} "
+                         f"operands, got {k}")
+
+
 def out_dtype(ab_dtype: torch.dtype) -> torch.dtype:
     """fp8 products are written as bf16; 16-bit ones in their own dtype."""
     return torch.bfloat16 if ab_dtype == _FP8 else ab_dtype
@@ -233,15 +277,83 @@ def check_expected_m(expected_m) -> None:
             raise ValueError(f"expected_m must be >= 0, got {expected_m}")
 
 
+def _check_num_sms_type(num_sms) -> None:
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int):
+        raise TypeError(f"num_sms must be an int or None, got {type(num_sms).__name__}")
+
+
+def check_num_sms_arg(num_sms) -> None:
+    """``num_sms`` before the device is known: None or an int >= 1 (its upper
+    bound, the SM count, is checked with the device by ``check_num_sms``)."""
+    if num_sms is not None:
+        _check_num_sms_type(num_sms)
+        if num_sms < 1:
+            raise ValueError(f"num_sms must be >= 1, got {num_sms}")
+
+
 def check_num_sms(num_sms, sm_count: int, device) -> int:
     """The persistent-grid cap: ``num_sms`` (an int in [1, sm_count]) or every SM."""
     if num_sms is None:
         return sm_count
-    if isinstance(num_sms, bool) or not isinstance(num_sms, int):
-        raise TypeError(f"num_sms must be an int or None, got {type(num_sms).__name__}")
+    _check_num_sms_type(num_sms)
     if not 1 <= num_sms <= sm_count:
         raise ValueError(f"num_sms must be in [1, {sm_count}] on {device}, got {num_sms}")
     return num_sms
+
+
+@functools.lru_cache(maxsize=64)
+def validated_config(config: GemmConfig, operands: Operands, epilogue: Epilogue = Epilogue.STORE) -> GemmConfig:
+    # configs are frozen: validate each one once per process
+    return check_config(config, operands, epilogue)
+
+
+def check_tail_with_signals(config: GemmConfig, signals: bool) -> None:
+    if signals and config.tail is Tail.SPLIT:
+        raise ValueError(
+            "config.tail=SPLIT cannot publish dst_signals (the two halves of a split "
+            "tile finish on different CTAs); pass a config with another tail"
+        )
+
+
+def check_config_arg(config, fmt: Format, num_sms, signals: bool, combine: bool) -> None:
+    """``config`` from itself and the call's other arguments, before the
+    device is known: a GemmConfig configures the sm_90 kernels (checked
+    against their rules), an Sm100Config the sm_100 / sm_103 ones."""
+    if config is None:
+        return
+    if isinstance(config, GemmConfig):
+        if fmt.block_scaled:
+            raise TypeError(f"config on an sm_100 GPU must be a flashgemm.Sm100Config or None ({fmt.value} "
+                            "operands run on sm_100 / sm_103 only), got GemmConfig")
+        validated_config(config, Operands.FP8_BLOCK if fmt is Format.FP8_BLOCK128 else Operands.BF16,
+                         Epilogue.COMBINE if combine else Epilogue.STORE)
+        check_tail_with_signals(config, signals)
+        cluster = config.cluster_n
+    elif isinstance(config, Sm100Config):
+        if combine:
+            raise TypeError("config with combine must be a flashgemm.GemmConfig or None (combine runs on "
+                            "sm_90 only), got Sm100Config")
+        if fmt is Format.FP8_BLOCK128:
+            raise TypeError("config for 1x128 fp8 operands must be a flashgemm.GemmConfig (sm_90) or None "
+                            "(sm_100 chooses its own tiles), got Sm100Config")
+        check_field_types(config)
+        check_sm100_config(config)
+        if config.fmt is not fmt:
+            raise ValueError(f"config.fmt is {config.fmt.value} but the operands are {fmt.value}")
+        cluster = config.cluster_size
+    else:
+        raise TypeError(f"config must be a flashgemm.GemmConfig (sm_90), a flashgemm.Sm100Config "
+                        f"(sm_100 / sm_103) or None, got {type(config).__name__}")
+    if num_sms is not None and num_sms < cluster:
+        raise ValueError(f"config.cluster_n={cluster} needs num_sms >= {cluster}, got {num_sms}")
+
+
+def check_options(fmt: Format, config, expected_m, num_sms, signals: bool, combine: bool) -> None:
+    """``expected_m``, ``num_sms`` and ``config`` before the device is known
+    (``num_sms``' upper bound, the SM count, comes with the device)."""
+    check_expected_m(expected_m)
+    check_num_sms_arg(num_sms)
+    check_config_arg(config, fmt, num_sms, signals, combine)
 
 
 def validate_device(
@@ -256,9 +368,12 @@ def validate_device(
     for arg, t in tensors.items():
         if t is None:
             continue
-        if t.device.type != "cuda":
-            raise ValueError(f"{arg} must be on a CUDA device, got {t.device}")
-        devices[arg] = t.device
+        device = getattr(t, "device", None)
+        if not isinstance(device, torch.device):
+            raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+        if device.type != "cuda":
+            raise ValueError(f"{arg} must be on a CUDA device, got {device}")
+        devices[arg] = device
     first_arg, first = next(iter(devices.items()))
     for arg, dev in devices.items():
         if dev != first:

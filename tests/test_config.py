@@ -500,3 +500,50 @@ def test_top_level_exports():
     assert flashgemm.grouped_gemm_nt_masked is grouped_gemm_nt_masked
     assert flashgemm.signal_layout is signal_layout
     assert flashgemm.__version__ == version.__version__
+
+
+FIELD_TYPE_ERRORS = [
+    ("tile_m", 128.0, "an int"),
+    ("tile_n", 128.0, "an int"),
+    ("stages", 2.5, "an int"),
+    ("cluster_n", True, "an int"),
+    ("n_major_window", 0.0, "an int"),
+    ("a_chunk_rows", False, "an int"),
+    ("l2_hints", "no", "a bool"),
+    ("pdl", 1, "a bool"),
+    ("l2_warmup", None, "a bool"),
+    ("order", "expert_major", "a flashgemm.TileOrder"),
+    ("tail", None, "a flashgemm.Tail"),
+    ("promotion", 0, "a flashgemm.Promotion"),
+    ("staging", "pair", "a flashgemm.Staging"),
+]
+
+
+@pytest.mark.parametrize("field, value, want", FIELD_TYPE_ERRORS, ids=[f[0] for f in FIELD_TYPE_ERRORS])
+def test_config_field_types_are_checked(field, value, want):
+    """Values equal to valid ones (128.0 == 128, True == 1) or truthy ones
+    ('no') must not pass: the field and the type expected are named."""
+    import re
+
+    cfg = GemmConfig(**{field: value})
+    message = f"^config.{field} must be {re.escape(want)}, got {re.escape(repr(value))} \\({type(value).__name__}\\)$"
+    for ops in (BF16, FP8):
+        with pytest.raises(ValueError, match=message):
+            check_config(cfg, ops)
+
+
+def test_config_equality_sees_field_types():
+    """Configs key the compile cache and the launch plans: one whose fields
+    only equal a valid config's (128.0, True) is another config, so it
+    cannot reuse that config's checks or plans."""
+    assert GemmConfig(tile_m=128) == GemmConfig() and hash(GemmConfig(tile_m=128)) == hash(GemmConfig())
+    for odd in (GemmConfig(tile_m=128.0), GemmConfig(cluster_n=True), GemmConfig(l2_hints=0)):
+        assert odd != GemmConfig() and GemmConfig() != odd
+        assert len({GemmConfig(): 1, odd: 2}) == 2
+    assert KernelSpec(GemmConfig(tile_m=128.0), BF16) != KernelSpec(GemmConfig(), BF16)
+    assert GemmConfig().__eq__("m128n128") is NotImplemented
+
+
+def test_config_unhashable_field_is_named():
+    with pytest.raises(TypeError, match=r"^GemmConfig\.tile_n must be an int, got list$"):
+        GemmConfig(tile_n=[128])

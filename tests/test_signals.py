@@ -167,7 +167,7 @@ def test_signal_layout_follows_the_fp8_wave_rule(fake_gpu):
 def test_signal_layout_checks_num_sms_like_the_call(fake_gpu, num_sms, error):
     """signal_layout takes num_sms as the call does, and refuses what the
     call refuses (the same check_num_sms), before picking a config."""
-    with pytest.raises(error, match=r"^num_sms must be (an int or None|in \[1, 132\] on cuda:0), got"):
+    with pytest.raises(error, match=r"^num_sms must be (an int or None|>= 1|in \[1, 132\] on cuda:0), got"):
         signal_layout(8, 256, 1024, 1024, num_sms=num_sms)
     assert signal_layout(8, 256, 1024, 1024, num_sms=132) == signal_layout(8, 256, 1024, 1024)
 
@@ -205,13 +205,91 @@ def test_signal_layout_sizes_the_grid_from_its_device(monkeypatch):
     assert signal_layout(*args, **kw) == on_1 and asked[-1] == 1
 
 
-def test_signal_layout_needs_a_cuda_device(monkeypatch):
+def test_signal_layout_needs_a_cuda_device_or_num_sms(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match="signal_layout needs a CUDA device"):
-        signal_layout(8, 256, 1024, 1024, num_sms=8)
+    with pytest.raises(ValueError, match="signal_layout needs a CUDA device, or num_sms"):
+        signal_layout(8, 256, 1024, 1024)
     with pytest.raises(ValueError, match="device must be a CUDA device, got cpu"):
         signal_layout(8, 256, 1024, 1024, num_sms=8, device="cpu")
 
 
 # the kernels read above (all of them are listed by the compile CLI too)
 PTX_SPECS = tuple(KernelSpec(MID_CONFIG, Operands.BF16, mode) for mode in (None, "m_block", "expert"))
+
+
+BAD_SIZES = [
+    (dict(num_experts=-1), ValueError, r"^num_experts must be >= 1, got -1$"),
+    (dict(num_experts=0), ValueError, r"^num_experts must be >= 1, got 0$"),
+    (dict(max_m=0), ValueError, r"^max_m must be >= 1, got 0$"),
+    (dict(max_m=64.5), TypeError, r"^max_m must be an int, got float$"),
+    (dict(max_m=True), TypeError, r"^max_m must be an int, got bool$"),
+    (dict(n=127), ValueError,
+     r"^n \(the call's N, b\.shape\[1\]\) must be a multiple of 8 for bf16 operands, got 127$"),
+    (dict(n="128"), TypeError, r"^n must be an int, got str$"),
+    (dict(k=0), ValueError, r"^k must be >= 1, got 0$"),
+    (dict(k=36), ValueError, r"^k \(the call's K, in elements\) must be a multiple of 8 for bf16 operands, got 36$"),
+    (dict(n=136, fp8=True), ValueError, r"^n .* multiple of 16 for fp8_block128 operands, got 136$"),
+    (dict(k=200, fp8=True), ValueError, r"^k .* multiple of 16 for fp8_block128 operands, got 200$"),
+    (dict(k=48, fmt="nvfp4"), ValueError, r"^k .* multiple of 32 for nvfp4 operands, got 48$"),
+    (dict(n=12, fmt="mxfp8"), ValueError, r"^n .* multiple of 8 for mxfp8 operands, got 12$"),
+    (dict(expected_m=-2), ValueError, r"^expected_m must be >= 0"),
+    (dict(num_sms=0), ValueError, r"^num_sms must be >= 1, got 0$"),
+    (dict(config={"tile_m": 64}), TypeError, r"^config must be a flashgemm\.GemmConfig"),
+    (dict(config=GemmConfig(stages=2.5)), ValueError, r"^config\.stages must be an int, got 2\.5 \(float\)$"),
+    (dict(config=GemmConfig(cluster_n=2, tail=Tail.SPLIT)), ValueError, r"^config\.tail=SPLIT cannot publish"),
+    (dict(signal_granularity="tile"), ValueError, r"^signal_granularity must be one of"),
+]
+
+
+def _change_id(change: dict) -> str:
+    return ",".join(f"{k}={v.short_name() if isinstance(v, GemmConfig) else v}" for k, v in change.items())
+
+
+@pytest.mark.parametrize("change, error, message", BAD_SIZES, ids=[_change_id(c) for c, _, _ in BAD_SIZES])
+def test_signal_layout_checks_its_arguments_before_the_device(fake_gpu, change, error, message):
+    """signal_layout refuses what the call would refuse, naming the argument,
+    without asking the device (a GPU is visible here: only the checks stop it)."""
+    args = dict(num_experts=4, max_m=64, n=128, k=256)
+    args.update(change)
+    with pytest.raises(error, match=message):
+        signal_layout(args.pop("num_experts"), args.pop("max_m"), args.pop("n"), args.pop("k"), **args)
+    assert fake_gpu == []
+
+
+def test_signal_layout_accepts_the_smallest_sizes(fake_gpu):
+    assert signal_layout(1, 1, 8, 8).size == 1
+    assert signal_layout(1, 1, 16, 16, fp8=True).n_tiles == 1
+
+
+def test_signal_layout_with_num_sms_needs_no_gpu(fake_gpu, monkeypatch):
+    """Given num_sms, a machine without a GPU gets the layout of the compile
+    target's kernels ($CUTE_DSL_ARCH, sm_90a by default) at that grid: the
+    one a GPU of that arch gives."""
+    from flashgemm import api
+
+    cases = [dict(expected_m=32), dict(expected_m=64, fp8=True),
+             dict(config=DECODE_CONFIG, signal_granularity="expert")]
+    on_gpu = [signal_layout(16, 256, 1536, 2048, num_sms=12, **kw) for kw in cases]
+
+    def no_device(index):
+        raise AssertionError("the device was queried")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(api, "device_facts", no_device)
+    monkeypatch.setattr(api, "default_arch", lambda: "sm_90a")
+    assert [signal_layout(16, 256, 1536, 2048, num_sms=12, **kw) for kw in cases] == on_gpu
+    with pytest.raises(ValueError, match="format 'mxfp8' needs a Blackwell GPU"):
+        signal_layout(16, 256, 1536, 2048, num_sms=12, fmt="mxfp8")
+    monkeypatch.setattr(api, "default_arch", lambda: "sm_100a")
+    planned = signal_layout(16, 1024, 4096, 512, fmt="mxfp8", expected_m=512, num_sms=148)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(api, "device_facts", lambda index: ((10, 0), 148, "NVIDIA B200 (fake)"))
+    assert signal_layout(16, 1024, 4096, 512, fmt="mxfp8", expected_m=512) == planned
+
+
+@pytest.mark.parametrize("arch, capability", [("sm_90a", (9, 0)), ("sm_100a", (10, 0)), ("sm_103a", (10, 3))])
+def test_compile_target_capability(monkeypatch, arch, capability):
+    from flashgemm import api
+
+    monkeypatch.setattr(api, "default_arch", lambda: arch)
+    assert api._target_capability() == capability

@@ -470,16 +470,15 @@ def test_public_argument_errors_come_first():
 
 
 def test_public_bad_config_type_on_cpu():
-    # launcher order: validate_args, validate_device, expected_m, then the
-    # config type check -- so on CPU the device error wins over the dict.
+    # the config is metadata: checked before the device, so CPU tensors reach it
     a, b, out, mm = make()
-    with pytest.raises(ValueError, match=r"must be on a CUDA device"):
+    with pytest.raises(TypeError, match=r"^config must be a flashgemm\.GemmConfig \(sm_90\), .* got dict$"):
         flashgemm.grouped_gemm_nt_masked(a, b, out, mm, config={"tile_m": 64})
 
 
 def test_public_unsupported_config_on_cpu():
     a, b, out, mm = make()
-    with pytest.raises(ValueError, match=r"must be on a CUDA device"):
+    with pytest.raises(ValueError, match=r"^config\.tile_n must be one of 64, 128, 192, 256, got 96$"):
         flashgemm.grouped_gemm_nt_masked(a, b, out, mm, config=GemmConfig(tile_n=96))
 
 
@@ -766,3 +765,56 @@ def test_dst_signals_aliasing_rejected_before_compiling(monkeypatch, victim):
     with pytest.raises(ValueError, match=f"^dst_signals must not overlap {victim} in memory$"):
         api._make_plan(a, b, out, mm, None, None, None, None, None, sig, "expert")
     assert cache.compile_count == before
+
+
+# ---------------------------------------------------------------------------
+# combine.err: the kernel ORs error bits into it, so it shares no byte with
+# any other tensor of the call
+# ---------------------------------------------------------------------------
+
+ERR_VICTIMS = ["a", "b", "masked_m", "a_scale", "b_scale", "combine.token_index", "combine.weight", "combine.peers"]
+
+
+def _combine_call_args(peers: bool):
+    """A valid fp8 call with combine (bf16 receive buffer and a peers table
+    when ``peers``), as (inputs by name, Combine)."""
+    from flashgemm import Combine
+    from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token
+
+    a, a_scale = quantize_fp8_per_token(torch.randn(E, M, 128))
+    b, b_scale = quantize_fp8_per_block(torch.randn(E, 128, 128))
+    inputs = {"a": a, "b": b, "masked_m": torch.full((E,), M, dtype=torch.int32), "a_scale": a_scale,
+              "b_scale": b_scale}
+    output = torch.zeros(16, 128, dtype=torch.bfloat16 if peers else torch.float32)
+    table = torch.tensor([output.data_ptr(), 0], dtype=torch.int64) if peers else None
+    combine = Combine(torch.zeros(E, M, dtype=torch.int32), torch.zeros(E, M), output,
+                      torch.zeros(1, dtype=torch.int32), table)
+    return inputs, combine
+
+
+@pytest.mark.parametrize("victim", ERR_VICTIMS)
+def test_combine_err_must_not_overlap_any_other_tensor(victim):
+    from flashgemm.routing import check_combine
+
+    inputs, combine = _combine_call_args(peers=True)
+    tensors = {**inputs, **{f"combine.{f}": getattr(combine, f) for f in ("token_index", "weight", "peers")}}
+    err = tensors[victim].view(-1).view(torch.uint8)[:4].view(torch.int32)  # its first 4 bytes
+    bad = combine._replace(err=err)
+    with pytest.raises(ValueError, match=f"^combine.err must not overlap {re.escape(victim)}$"):
+        check_combine(bad, None, None, E, M, 128, inputs)
+    with pytest.raises(ValueError, match=f"^combine.err must not overlap {re.escape(victim)}$"):
+        flashgemm.grouped_gemm_nt_masked(inputs["a"], inputs["b"], None, inputs["masked_m"], a_scale=inputs["a_scale"],
+                                         b_scale=inputs["b_scale"], combine=bad)
+
+
+def test_combine_err_apart_from_every_tensor_is_accepted():
+    from flashgemm.routing import check_combine
+
+    for peers in (False, True):
+        inputs, combine = _combine_call_args(peers)
+        assert check_combine(combine, None, None, E, M, 128, inputs) == tuple(combine)
+        # beside a (one buffer, adjacent bytes): touching is not overlapping
+        buf = torch.empty(inputs["a"].numel() + 16, dtype=torch.float8_e4m3fn)
+        a = buf[: inputs["a"].numel()].view(inputs["a"].shape)
+        err = buf[inputs["a"].numel():].view(torch.int32)[:1]
+        assert check_combine(combine._replace(err=err), None, None, E, M, 128, {**inputs, "a": a})
