@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import warnings
 
 import pytest
 
@@ -41,6 +42,62 @@ def _result(proc, keep_dsl_flag=False):
     if not keep_dsl_flag:
         got.pop("dsl_imported")
     return got
+
+
+# One process builds SPEC into an empty directory, then makes the directory
+# read-only or noexec (a bind mount onto itself, in a mount namespace of its
+# own; or, for a user, mode 555), forgets its kernels and asks again, so both
+# halves share one cache key even while the package's sources are edited.
+# The kernel was compiled, never loaded, before: the second ask is a real load.
+REMOUNT_CHILD = f"""
+import json, os, subprocess, sys
+from flashgemm.config import GemmConfig, KernelSpec, Operands
+from flashgemm.jit import cache, diskcache
+from flashgemm.sm90.build import get_kernel
+directory, how = sys.argv[1], sys.argv[2]
+get_kernel({SPEC}, arch="sm_90a")
+assert (cache.compile_count, diskcache.load_count) == (1, 0)
+if how == "mode-555":
+    os.chmod(directory, 0o555)
+else:
+    subprocess.run(["mount", "--bind", directory, directory], check=True)
+    subprocess.run(["mount", "-o", "remount,bind," + how, directory], check=True)
+before = sorted(os.listdir(directory))
+cache._cache.clear()
+print("-- " + how, file=sys.stderr, flush=True)
+get_kernel({SPEC}, arch="sm_90a")
+
+class Kernel:  # a kernel this directory lacks
+    def export_to_c(self, path, name):
+        open(path, "w").close()
+
+missed = diskcache.get_or_build(("not-in-the-cache",), Kernel)
+after = os.listdir(directory)
+print(json.dumps({{"compiles": cache.compile_count - 1, "loads": diskcache.load_count,
+                  "miss_built": isinstance(missed, Kernel), "removed": sorted(set(before) - set(after)),
+                  "stored": sorted(set(after) - set(before)) != []}}))
+"""
+
+
+def _can_mount():
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs -o noexec tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+def _remount_child(directory, how):
+    """(result, the child's stderr after the directory changed) of REMOUNT_CHILD."""
+    cmd = [sys.executable, "-c", REMOUNT_CHILD, str(directory), how]
+    if how != "mode-555":
+        if not _can_mount():
+            pytest.skip("needs root and mount namespaces (unshare)")
+        cmd = ["unshare", "--mount", "--propagation", "private", *cmd]
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASHGEMM_CACHE_DIR=str(directory))
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1]), res.stderr.split(f"-- {how}\n", 1)[1]
 
 
 def _entries(cache_dir, ext):
@@ -98,6 +155,61 @@ def test_corrupt_entry_is_rebuilt_not_loaded(built_entry, tmp_path, damage):
     assert _result(_child(tmp_path)) == {"compiles": 0, "loads": 1}
 
 
+def test_read_only_prebuilt_cache_is_loaded_and_not_written(tmp_path):
+    """A cache directory this process cannot write (a container image's
+    prebuilt cache): its entries load; a kernel it lacks is built in process,
+    with one warning, and not stored."""
+    # root writes through any mode bits: for root the directory is mounted read-only
+    got, err = _remount_child(tmp_path, "ro" if os.geteuid() == 0 else "mode-555")
+    assert got == {"compiles": 0, "loads": 1, "miss_built": True, "removed": [], "stored": False}, err[-2000:]
+    assert err.count("is not writable") == 1 and str(tmp_path) in err, err[-2000:]
+
+
+def test_noexec_cache_loads_the_object_file_and_says_why(tmp_path):
+    """On a noexec mount no shared library maps: the object file is loaded
+    through the DSL instead, with one warning, and the entry is kept."""
+    got, err = _remount_child(tmp_path, "noexec")
+    # the entry is kept (not deleted and rebuilt); the missed kernel is stored
+    assert got == {"compiles": 0, "loads": 1, "miss_built": True, "removed": [], "stored": True}, err[-2000:]
+    assert err.count("mounted noexec") == 1 and str(tmp_path) in err, err[-2000:]
+
+
+class _StoredKey:
+    """A key as its entry's json spells it (the disk cache reads a key only
+    through ``repr``), so a test matches an entry another process built."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def __repr__(self):
+        return self.text
+
+
+def test_library_that_does_not_load_is_reported_and_its_object_loaded(built_entry, tmp_path, monkeypatch):
+    import tvm_ffi
+
+    tmp_path = _copy_of(built_entry, tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    key = _StoredKey(json.loads((tmp_path / _entries(tmp_path, ".json")[0]).read_text())["key"])
+    so_path = str(tmp_path / _entries(tmp_path, ".so")[0])
+
+    def load_module(path, *args, **kwargs):
+        raise RuntimeError(f"{path}: failed to map segment from shared object")
+
+    def build():
+        raise AssertionError("compiled a kernel whose entry is whole")
+
+    monkeypatch.setattr(tvm_ffi, "load_module", load_module)
+    monkeypatch.setattr(diskcache, "_warned", set())
+    loads = diskcache.load_count
+    with pytest.warns(RuntimeWarning, match="cannot load the cached library") as record:
+        fn = diskcache.get_or_build(key, build, str(tmp_path))
+    assert callable(fn) and diskcache.load_count == loads + 1
+    (message,) = [str(w.message) for w in record if str(w.message).startswith("flashgemm:")]
+    assert so_path in message and "failed to map segment" in message
+    assert sorted(os.listdir(tmp_path)) == before  # kept, not deleted and rebuilt
+
+
 def test_two_processes_racing_build_one_entry(tmp_path):
     results = [_result(p) for p in [_child(tmp_path), _child(tmp_path)]]
     assert sum(r["compiles"] for r in results) == 1  # the lock holder built it
@@ -135,14 +247,17 @@ def test_cache_switch_on_or_unset_keeps_the_disk_level(monkeypatch, tmp_path, va
     assert diskcache.cache_dir() == os.path.join(str(tmp_path / "xdg"), "flashgemm")
 
 
-def test_unwritable_directory_falls_back_with_one_warning(tmp_path, monkeypatch):
+def test_unusable_directory_falls_back_with_one_warning(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    monkeypatch.setattr(diskcache, "_warned", False)
+    monkeypatch.setattr(diskcache, "_warned", set())
     calls = []
-    with pytest.warns(RuntimeWarning, match="not writable"):
+    with pytest.warns(RuntimeWarning, match="cannot create cache directory"):
         assert diskcache.get_or_build(("k",), lambda: calls.append(1) or "fn", str(blocker / "sub")) == "fn"
-    assert diskcache.get_or_build(("k",), lambda: "fn2", str(blocker / "sub")) == "fn2"  # no second warning
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        assert diskcache.get_or_build(("k",), lambda: "fn2", str(blocker / "sub")) == "fn2"
+    assert [str(w.message) for w in again] == []  # no second warning
     assert calls == [1]
 
 
@@ -219,6 +334,10 @@ get_ep_complete(arch="sm_90a")
 for ids in (torch.int32, torch.int64):
     for out in (torch.float32, torch.bfloat16):
         get_token_sum(8, ids, out, arch="sm_90a")
+from flashgemm.ep.device_dispatch import get_ep_dispatch
+for fp8 in (True, False):
+    for ids in (torch.int32, torch.int64):
+        get_ep_dispatch(8, fp8, ids, arch="sm_90a")
 print(json.dumps({"compiles": cache.compile_count, "loads": diskcache.load_count}))
 """
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", FLASHGEMM_CACHE_DIR=cache_dir)
