@@ -3,8 +3,17 @@ and list the PTX features found in each; and the GPU check the demo uses."""
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import time
+import uuid
+
+from .jit.arch import BACKENDS
+
+# the targets ``compile --arch`` takes: one per compute capability with kernels
+# (the "a" variants: wgmma and tcgen05 need the arch-specific features)
+SUPPORTED_ARCHS = tuple(f"sm_{major}{minor}a" for major, minor in BACKENDS)
 
 PTX_FEATURES = {
     "wgmma": "wgmma.mma_async",
@@ -70,13 +79,56 @@ def hopper_gpu():
     return name, ""
 
 
+def check_arch(arch: str) -> str:
+    """``arch`` if flashgemm has kernels for it, else a ValueError naming the
+    supported ones (an unsupported target fails deep in the DSL otherwise)."""
+    if arch in SUPPORTED_ARCHS:
+        return arch
+    hint = f"; did you mean {arch}a?" if f"{arch}a" in SUPPORTED_ARCHS else ""
+    raise ValueError(f"--arch {arch!r} is not supported: flashgemm compiles for "
+                     f"{', '.join(SUPPORTED_ARCHS)}{hint}")
+
+
+def check_cache_dir(path: str) -> str:
+    """``path`` if it is, or can be made, a writable directory the disk cache
+    trusts; else a ValueError (the cache would fall back to the process,
+    storing nothing)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--cache-dir {path!r} exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".probe-{uuid.uuid4().hex}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"--cache-dir {path!r} is not a writable directory: {err}") from None
+    from .jit.diskcache import untrusted
+
+    why = untrusted(os.stat(path))
+    if why:  # the cache would refuse it and store nothing
+        raise ValueError(f"--cache-dir {path!r} is refused by the disk cache: {why} (chmod go-w, or use a "
+                         f"directory you own)")
+    return path
+
+
+def _no_match(match: str, arch: str, names) -> int:
+    """``--match`` that names no GEMM: say so, and fail (compiling nothing
+    is never what was asked)."""
+    print(f"flashgemm compile: no GEMM kernel for {arch} has {match!r} in its name, so nothing was compiled. "
+          f"There are {len(names)}, named like {names[0]!r}; compile without --match lists them all.",
+          file=sys.stderr)
+    return 2
+
+
 def cmd_compile(args) -> int:
     """Build (and with ``--cache-dir`` store) every kernel the package can
-    launch, one line each with the PTX features found; exit 1 if a kernel
-    lacks what it must have."""
+    launch, or with ``--match`` the GEMMs whose name contains it, one line
+    each with the PTX features found; exit 1 if a kernel lacks what it must
+    have, 2 if ``--match`` names no GEMM."""
     from .jit.arch import ensure_arch_env
 
-    arch = ensure_arch_env(args.arch)
+    arch = ensure_arch_env(check_arch(args.arch))
     if arch.startswith("sm_10"):
         return _compile_sm100(args, arch)
     from .jit.key import cache_key
@@ -85,6 +137,8 @@ def cmd_compile(args) -> int:
     from .sm90.heuristic import reachable_specs
 
     specs = [s for s in reachable_specs() if not args.match or args.match in s.name()]
+    if args.match and not specs:
+        return _no_match(args.match, arch, [s.name() for s in reachable_specs()])
     block_ms = [] if args.match else combine_block_ms(reachable_specs())
     jobs = [(s.name(), cache_key(arch, s), lambda s=s: build(s, arch, keep_ptx=True),
              lambda feats, s=s: sm90_ok(s, feats)) for s in specs]
@@ -96,29 +150,46 @@ def cmd_compile(args) -> int:
     jobs += activations
     ep = _ep_jobs(arch, block_ms)
     jobs += ep
-    return _run_jobs(jobs, arch, getattr(args, "cache_dir", None),
-                     f"{len(specs)} GEMMs (every configuration the heuristic picks x signal mode, fused "
-                     f"combine or fused SwiGLU), {len(activations)} MoE activations, {len(block_ms)} reference combines and "
-                     f"{len(ep)} expert-parallel kernels")
+    if args.match:  # say what the subset is, not what the full listing holds
+        what = _subset(args.match, f"{len(specs)} GEMMs", activations)
+    else:
+        what = (f"{len(specs)} GEMMs (every configuration the heuristic picks x signal mode, fused "
+                f"combine or fused SwiGLU), {len(activations)} MoE activations, {len(block_ms)} reference "
+                f"combines and {len(ep)} expert-parallel kernels")
+    return _run_jobs(jobs, arch, getattr(args, "cache_dir", None), what, subset=bool(args.match))
+
+
+def _subset(match: str, gemms: str, activations) -> str:
+    """The header of a ``--match`` listing: which kernels it builds."""
+    return (f"{gemms} whose name contains {match!r}"
+            + (f" and the {len(activations)} MoE activations" if activations else ""))
 
 
 def _ep_jobs(arch: str, block_ms) -> list:
     """The expert-parallel kernels (``flashgemm.ep``; none under ``--match``,
     which passes no m-block heights): the signalled combine polls and
     completes at system scope, the completion step only completes, the
-    owner's sum neither polls nor completes."""
+    device dispatch stores rows into the peers' buffers (quantizing them for
+    fp8) and waits on the peers' posts at system scope, the owner's sum
+    neither polls nor completes."""
     if not block_ms:
         return []
     from .ep.combine import ep_kernel_jobs
 
     handshake = {"sys-release", "sys-acquire"}
-    checks = {"ep-combine": lambda feats: handshake | {"acquire-poll"} <= set(feats),
-              "ep-complete": lambda feats: handshake <= set(feats) and "acquire-poll" not in feats,
-              "ep-token-sum": lambda feats: not (handshake | {"acquire-poll"}) & set(feats)}
+    checks = {"ep-combine": lambda name, feats: handshake | {"acquire-poll"} <= set(feats),
+              "ep-complete": lambda name, feats: handshake <= set(feats) and "acquire-poll" not in feats,
+              "ep-dispatch": lambda name, feats: ({"sys-acquire", "combine-peer-store"} <= set(feats)
+                                                  and "acquire-poll" not in feats
+                                                  and ("fp8-cvt" in feats) == ("-fp8-" in name)),
+              "ep-token-sum": lambda name, feats: not (handshake | {"acquire-poll"}) & set(feats)}
     jobs = []
     for name, key, make in ep_kernel_jobs(arch, block_ms):
-        check = next(c for prefix, c in checks.items() if name.startswith(prefix))
-        jobs.append((name, key, lambda make=make: make(keep_ptx=True), check))
+        check = next((c for prefix, c in checks.items() if name.startswith(prefix)), None)
+        if check is None:  # a new EP kernel needs its PTX rule here
+            raise RuntimeError(f"no PTX check for the expert-parallel kernel {name!r}")
+        jobs.append((name, key, lambda make=make: make(keep_ptx=True),
+                     lambda feats, name=name, check=check: check(name, feats)))
     return jobs
 
 
@@ -143,7 +214,7 @@ def sm90_ok(spec, feats) -> bool:
 
 def _activation_jobs(args, arch: str) -> list:
     """The MoE activation kernels (arch-neutral), unless ``--match`` narrows
-    the listing without ``--moe``."""
+    the listing without ``--moe`` (the demo passes both)."""
     from .moe.activation import activation_key, build as build_activation
 
     fp8s = [True, False] if not args.match or getattr(args, "moe", False) else []
@@ -152,12 +223,13 @@ def _activation_jobs(args, arch: str) -> list:
              lambda feats, fp8=fp8: ("fp8-cvt" in feats) == fp8) for fp8 in fp8s]
 
 
-def _run_jobs(jobs, arch: str, cache_dir, what: str) -> int:
+def _run_jobs(jobs, arch: str, cache_dir, what: str, subset: bool = False) -> int:
     """Build (or store) each (name, cache key, build, PTX check) job and list
     it with its PTX features; 1 if a check failed, else 0."""
     from .jit import cache
 
-    print(f"compiling the {len(jobs)} kernels flashgemm can launch on {arch}: {what} (no GPU needed)"
+    count = f"{len(jobs)} of the kernels" if subset else f"the {len(jobs)} kernels"
+    print(f"compiling {count} flashgemm can launch on {arch}: {what} (no GPU needed)"
           + (f", into {cache_dir}" if cache_dir else ""), flush=True)
     ok = True
     t_all = time.perf_counter()
@@ -217,10 +289,15 @@ def _compile_sm100(args, arch: str) -> int:
     jobs = [(s.name(), cache_key(arch, s), lambda s=s: build(s, arch, keep_ptx=True),
              lambda feats, s=s: sm100_ok(s, feats)) for s in specs]
     blockwise = [s for s in blockwise_specs() if not args.match or args.match in s.name()]
+    if args.match and not specs and not blockwise:
+        return _no_match(args.match, arch, [s.name() for s in [*reachable_specs(), *blockwise_specs()]])
     jobs += [(s.name(), cache_key(arch, "sm100-blockwise", s), lambda s=s: build_blockwise(s, arch, keep_ptx=True),
               lambda feats, s=s: blockwise_ok(s, feats)) for s in blockwise]
     activations = _activation_jobs(args, arch)
     jobs += activations
-    return _run_jobs(jobs, arch, getattr(args, "cache_dir", None),
-                     f"{len(specs)} GEMMs (every configuration the heuristic picks x signal mode), "
-                     f"{len(blockwise)} DeepSeek fp8 GEMMs and {len(activations)} MoE activations")
+    if args.match:
+        what = _subset(args.match, f"{len(specs)} GEMMs and {len(blockwise)} DeepSeek fp8 GEMMs", activations)
+    else:
+        what = (f"{len(specs)} GEMMs (every configuration the heuristic picks x signal mode), "
+                f"{len(blockwise)} DeepSeek fp8 GEMMs and {len(activations)} MoE activations")
+    return _run_jobs(jobs, arch, getattr(args, "cache_dir", None), what, subset=bool(args.match))
