@@ -151,7 +151,7 @@ def layer_case(spec, fp8, seed, rounds, reps):
         "gate_up_us": lambda: flashgemm.grouped_gemm_nt_masked(
             x, w13, gu, masked_m, a_scale=xs, b_scale=s13, expected_m=em),
         "act_us": lambda: silu_mul(gu, masked_m, fp8=fp8, out=h, out_scale=hs),
-        "gate_up_act_us": lambda: gate_up_swiglu(x, layer.w13, masked_m, x_scale=xs, w13_scale=layer.w13_scale,
+        "gate_up_act_us": lambda: gate_up_swiglu(x, layer.w13_interleaved, masked_m, x_scale=xs,
                                                  out=h2, out_scale=hs2, expected_m=em),
         "down_us": lambda: flashgemm.grouped_gemm_nt_masked(
             h, w2, y, masked_m, a_scale=hs, b_scale=s2, expected_m=em),

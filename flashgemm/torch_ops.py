@@ -102,9 +102,11 @@ def gate_up_swiglu(
         if fp8:
             h_scale.copy_(ref[1])
         return h, h_scale
+    from .moe.gate_up import InterleavedW13
     from .moe.gate_up import gate_up_swiglu as launch
 
-    h = launch(x, w13, masked_m, x_scale=x_scale, w13_scale=w13_scale, expected_m=expected_m, num_sms=num_sms)
+    h = launch(x, InterleavedW13(w13, w13_scale), masked_m, x_scale=x_scale, expected_m=expected_m,
+               num_sms=num_sms)
     if isinstance(h, tuple):
         return h
     return h, _h_buffers(x, w13)[1]

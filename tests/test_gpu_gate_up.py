@@ -8,14 +8,14 @@ import torch
 
 import flashgemm
 from flashgemm.moe.activation import alloc_fp8_input, silu_mul, silu_mul_ref
-from flashgemm.moe.gate_up import gate_up_swiglu, interleave_w13
+from flashgemm.moe.gate_up import InterleavedW13, gate_up_swiglu, interleave_w13
 from flashgemm.moe.layer import ActivationPath, MaskedExperts, moe_experts_ref
 from flashgemm.quant import dequantize_fp8_per_token, quantize_fp8_per_block, quantize_fp8_per_token
 from flashgemm.reference import similarity
 from flashgemm.timing import capture_graph
 
 from conftest import requires_hopper
-from test_gpu_moe import FP8_NAN, _masked
+from test_gpu_moe import FP8_NAN, _masked, assert_within_one_e4m3_step
 
 pytestmark = requires_hopper
 
@@ -51,9 +51,8 @@ def test_fused_swiglu_equals_the_two_kernel_path(seed, fp8, dist, shape):
     x, xs, w13, s13 = _operands(e_count, max_m, hidden, inter, fp8)
     gu = flashgemm.grouped_gemm_nt_masked(x, w13, None, mm, a_scale=xs, b_scale=s13, expected_m=em)
     want = silu_mul(gu, mm, fp8=fp8)
-    wi, si = interleave_w13(w13, s13)
     h, hs = _poisoned(e_count, max_m, inter, fp8)
-    got = gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=si, out=h, out_scale=hs, expected_m=em)
+    got = gate_up_swiglu(x, interleave_w13(w13, s13), mm, x_scale=xs, out=h, out_scale=hs, expected_m=em)
     torch.cuda.synchronize()
     assert (got[0] is h and got[1] is hs) if fp8 else got is h
     ref = silu_mul_ref(gu, mm, fp8=fp8)  # the float reference of the activation on the same gate_up
@@ -64,8 +63,7 @@ def test_fused_swiglu_equals_the_two_kernel_path(seed, fp8, dist, shape):
                 # the same gate_up values, rounded to bf16, and the same arithmetic
                 assert torch.equal(h[e, :m].view(torch.uint8), want[0][e, :m].view(torch.uint8))
                 assert torch.equal(hs[e, :m], want[1][e, :m])
-                d = dequantize_fp8_per_token(h[e, :m], hs[e, :m])
-                assert similarity(d, dequantize_fp8_per_token(ref[0][e, :m], ref[1][e, :m])) < 4e-6
+                assert_within_one_e4m3_step(h[e, :m], hs[e, :m], ref[0][e, :m], ref[1][e, :m])
         else:
             assert h[e, m:].isnan().all()
             if m:
@@ -76,10 +74,10 @@ def test_fused_swiglu_equals_the_two_kernel_path(seed, fp8, dist, shape):
 def test_fused_swiglu_in_a_cuda_graph_follows_new_masked_m(seed):
     e_count, max_m, hidden, inter = 8, 128, 1024, 512
     x, xs, w13, s13 = _operands(e_count, max_m, hidden, inter, True)
-    wi, si = interleave_w13(w13, s13)
+    w13i = interleave_w13(w13, s13)
     mm = torch.zeros(e_count, dtype=torch.int32, device="cuda")
     h, hs = _poisoned(e_count, max_m, inter, True)
-    graph = capture_graph(lambda: gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=si, out=h, out_scale=hs,
+    graph = capture_graph(lambda: gate_up_swiglu(x, w13i, mm, x_scale=xs, out=h, out_scale=hs,
                                                  expected_m=40), calls=1)
     for _ in range(2):
         masked = _masked(e_count, 40, max_m, "uniform").clamp(0, max_m)
@@ -122,9 +120,8 @@ def test_layer_paths_agree_with_the_reference(seed, fp8):
 
 def test_fp8_needs_two_sms(seed):
     x, xs, w13, s13 = _operands(2, 32, 256, 128, True)
-    wi, si = interleave_w13(w13, s13)
     with pytest.raises(ValueError, match="num_sms must be >= 2"):
-        gate_up_swiglu(x, wi, torch.ones(2, dtype=torch.int32, device="cuda"), x_scale=xs, w13_scale=si,
+        gate_up_swiglu(x, interleave_w13(w13, s13), torch.ones(2, dtype=torch.int32, device="cuda"), x_scale=xs,
                        num_sms=1)
 
 
@@ -135,10 +132,10 @@ def test_bf16_odd_n_blocks_write_nothing_past_i(seed):
     masked = torch.tensor([0, 17, 64, 40], dtype=torch.int32)
     mm = masked.cuda()
     x, _, w13, _ = _operands(e_count, max_m, hidden, inter, False)
-    wi, _ = interleave_w13(w13)
+    w13i = interleave_w13(w13)
     wide = torch.full((e_count, max_m, inter + 64), float("nan"), device="cuda", dtype=torch.bfloat16)
     h = wide[..., :inter]
-    gate_up_swiglu(x, wi, mm, out=h, expected_m=40)
+    gate_up_swiglu(x, w13i, mm, out=h, expected_m=40)
     torch.cuda.synchronize()
     assert wide[..., inter:].isnan().all()
     want = silu_mul(flashgemm.grouped_gemm_nt_masked(x, w13, None, mm, expected_m=40), mm, fp8=False)
@@ -154,12 +151,12 @@ def test_torch_compile_fullgraph_runs_the_fused_kernel(seed):
     wi, si = interleave_w13(w13, s13)
 
     def f(x, wi, mm, xs, si):
-        h, hs = gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=si, expected_m=40)
+        h, hs = gate_up_swiglu(x, InterleavedW13(wi, si), mm, x_scale=xs, expected_m=40)
         return dequantize_fp8_per_token(h, hs)
 
     torch._dynamo.reset()
     got = torch.compile(f, fullgraph=True)(x, wi, mm, xs, si)
-    want = dequantize_fp8_per_token(*gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=si, expected_m=40))
+    want = dequantize_fp8_per_token(*gate_up_swiglu(x, InterleavedW13(wi, si), mm, x_scale=xs, expected_m=40))
     torch.cuda.synchronize()
     for e, m in enumerate(masked.tolist()):
         assert torch.equal(got[e, :m], want[e, :m])

@@ -248,7 +248,7 @@ def test_deep_gemm_compat_maps_arguments(monkeypatch):
 
     monkeypatch.setattr(dg, "grouped_gemm_nt_masked", fake)
     monkeypatch.setattr(dg, "device_facts", lambda index: ((9, 0), 132, "H100"))
-    a = types.SimpleNamespace(shape=(8, 256, 7168), device=torch.device("cpu"))
+    a = types.SimpleNamespace(shape=(8, 256, 7168), device=torch.device("cuda", 0))  # the faked H100's
     b = types.SimpleNamespace(shape=(8, 4096, 7168))
     assert dg.m_grouped_fp8_gemm_nt_masked((a, "sfa"), (b, "sfb"), "d", "mm", 128) is None
     assert calls[-1][4]["a_scale"] == "sfa" and calls[-1][4]["b_scale"] == "sfb"
@@ -292,25 +292,45 @@ def test_interleave_w13_pairs_gate_and_up_groups_and_inverts():
 
 
 def test_gate_up_swiglu_checks_before_launch():
-    from flashgemm.moe.gate_up import gate_up_swiglu, interleave_w13
+    from flashgemm.moe.gate_up import InterleavedW13, gate_up_swiglu, interleave_w13
 
     x, xs = quantize_fp8_per_token(torch.randn(2, 16, 256))
     w13, s13 = quantize_fp8_per_block(torch.randn(2, 256, 256))
-    wi, si = interleave_w13(w13, s13)
+    w13i = interleave_w13(w13, s13)
+    wi, si = w13i
     mm = torch.tensor([3, 16], dtype=torch.int32)
+    for plain in (w13, (wi, si)):  # a checkpoint-layout tensor, or a bare pair, is refused by type
+        with pytest.raises(TypeError, match="w13 must be the InterleavedW13 that interleave_w13"):
+            gate_up_swiglu(x, plain, mm, x_scale=xs)
     with pytest.raises(ValueError, match=r"w13_scale must be the interleaved scales \(E, 2I/64"):
-        gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=s13)  # the checkpoint's scales
+        gate_up_swiglu(x, InterleavedW13(wi, s13), mm, x_scale=xs)  # the checkpoint's scales
     with pytest.raises(TypeError, match="w13 must have dtype"):
-        gate_up_swiglu(x, wi.to(torch.bfloat16), mm, x_scale=xs, w13_scale=si)
+        gate_up_swiglu(x, InterleavedW13(wi.to(torch.bfloat16), si), mm, x_scale=xs)
     with pytest.raises(ValueError, match="x_scale|a_scale"):
-        gate_up_swiglu(x, wi, mm, w13_scale=si)
+        gate_up_swiglu(x, w13i, mm)
     h = torch.empty(2, 16, 64, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="pass both out and out_scale"):
-        gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=si, out=h)
+        gate_up_swiglu(x, w13i, mm, x_scale=xs, out=h)
     with pytest.raises(ValueError, match=r"out must be \(2, 16, 128\)"):
-        gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=si, out=h, out_scale=torch.empty(2, 16, 1))
+        gate_up_swiglu(x, w13i, mm, x_scale=xs, out=h, out_scale=torch.empty(2, 16, 1))
     with pytest.raises(ValueError, match="must be on a CUDA device"):
-        gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=si)
+        gate_up_swiglu(x, w13i, mm, x_scale=xs)
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_separate_activation_refuses_an_i_it_cannot_run_at_construction(fp8):
+    from flashgemm.moe.layer import ActivationPath, MaskedExperts
+
+    inter = 192 if fp8 else 68  # not a multiple of 128 (fp8) / 8 (bf16)
+    w13, w2 = torch.randn(2, 2 * inter, 256), torch.randn(2, 256, inter)
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_fp8_per_block(w13), quantize_fp8_per_block(w2)
+        kw = dict(w13_scale=s13, w2_scale=s2)
+    else:
+        w13, w2, kw = w13.to(torch.bfloat16), w2.to(torch.bfloat16), {}
+    with pytest.raises(ValueError, match=f"I={inter}; ActivationPath.SEPARATE needs I a multiple of "
+                                         f"{128 if fp8 else 8}"):
+        MaskedExperts(w13, w2, activation=ActivationPath.SEPARATE, **kw)
 
 
 @pytest.mark.parametrize("cfg, ops, epilogue", [
@@ -353,7 +373,7 @@ def test_activation_config_rules():
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 def test_torch_compile_traces_the_fused_swiglu(fp8):
-    from flashgemm.moe.gate_up import gate_up_swiglu, interleave_w13
+    from flashgemm.moe.gate_up import InterleavedW13, gate_up_swiglu, interleave_w13
 
     e_count, max_m, hidden, inter = 3, 16, 256, 128
     mm = torch.tensor([0, 5, 16], dtype=torch.int32)
@@ -365,7 +385,7 @@ def test_torch_compile_traces_the_fused_swiglu(fp8):
     wi, si = interleave_w13(w13, s13)
 
     def f(x, wi, mm, xs, si):
-        out = gate_up_swiglu(x, wi, mm, x_scale=xs, w13_scale=si, expected_m=8)
+        out = gate_up_swiglu(x, InterleavedW13(wi, si), mm, x_scale=xs, expected_m=8)
         h = dequantize_fp8_per_token(*out) if fp8 else out.float()
         return h.sum(-1)
 

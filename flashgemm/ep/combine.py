@@ -29,7 +29,7 @@ from ..signals import SignalLayout, check_rows_per_item
 from .buffers import FLAG_WORDS, RECV_DTYPE, STATE_WORDS, SUM_DTYPES, TokenBuffers
 from .plan import CombineRouting
 
-DEFAULT_MAX_POLLS = 20_000_000  # with <= 256 ns back-off: seconds, not a hang
+DEFAULT_MAX_POLLS = 20_000_000  # back-off <= 256 ns (signals) or 1024 ns (peers): 5-20 s, not a hang
 # one row per item: a warp is a team here, and a decode layer's ~1000 rows per
 # rank then spread over all the combine's warps (not measured against 2 or 4 yet)
 DEFAULT_EP_ROWS_PER_ITEM = 1

@@ -71,6 +71,32 @@ def _group_world(group):
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _agreed(step, what: str, group, world: int):
+    """Run ``step`` on every rank and agree on whether any rank raised, before
+    the next collective: the rank that failed raises its own error, every
+    other rank a RuntimeError naming it, so no rank is left waiting in NCCL."""
+    if world == 1:
+        return step()
+    import torch.distributed as dist
+
+    try:
+        result, failure = step(), None
+    except (TypeError, ValueError) as raised:
+        result, failure = None, raised
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    failed = torch.zeros(world, dtype=torch.int32, device=device)
+    failed[dist.get_rank(group)] = int(failure is not None)
+    dist.all_reduce(failed, group=group)
+    if failure is not None:
+        raise failure
+    if bool(failed.any()):
+        ranks = failed.nonzero().flatten().tolist()
+        raise RuntimeError(f"{what} failed on rank(s) {ranks} (which raised the reason): this rank stops "
+                           f"before sending anything")
+    return result
+
+
 def check_tokens(x, x_scale, topk_ids) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x must be a [T, H] tensor, got {tuple(getattr(x, 'shape', ())) or type(x).__name__}")
@@ -126,8 +152,12 @@ def dispatch(
     it to get the same shapes on every rank and every step)."""
     rank, world = _group_world(group)
     placement = Placement(num_experts, world)
-    check_routing(topk_ids, topk_weights, placement, max_tokens_per_rank)
-    check_tokens(x, x_scale, topk_ids)
+
+    def checks():
+        check_routing(topk_ids, topk_weights, placement, max_tokens_per_rank)
+        check_tokens(x, x_scale, topk_ids)
+
+    _agreed(checks, "the argument checks", group, world)
     if max_m is None:
         max_m = default_max_m(max_tokens_per_rank or max(1, x.shape[0]), world)
     send = make_send_plan(topk_ids, topk_weights, placement, check=False)
@@ -139,7 +169,8 @@ def dispatch(
         import torch.distributed as dist
 
         dist.all_to_all_single(recv_counts, send.counts, group=group)
-    receive = make_receive_plan(recv_counts, placement, max_m)  # raises on overflow (a host sync)
+    # raises on overflow (a host sync), on every rank before any row moves
+    receive = _agreed(lambda: make_receive_plan(recv_counts, placement, max_m), "the receive plan", group, world)
     send_splits = send.split_sizes.tolist()
     recv_splits = receive.split_sizes.tolist()
 

@@ -39,7 +39,7 @@ _ID_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_int(name: str, value, lo: int = 1) -> int:
+def check_int(name: str, value, lo: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
     return value
@@ -53,8 +53,8 @@ class Placement:
     world_size: int
 
     def __post_init__(self):
-        _check_int("num_experts", self.num_experts)
-        _check_int("world_size", self.world_size)
+        check_int("num_experts", self.num_experts)
+        check_int("world_size", self.world_size)
         if self.num_experts % self.world_size:
             raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of "
                              f"world_size ({self.world_size}) for a contiguous placement")
@@ -69,7 +69,7 @@ class Placement:
 
 def default_max_m(max_tokens_per_rank: int, world_size: int) -> int:
     """Rows per local expert with room for every token of every rank."""
-    return _check_int("max_tokens_per_rank", max_tokens_per_rank) * _check_int("world_size", world_size)
+    return check_int("max_tokens_per_rank", max_tokens_per_rank) * check_int("world_size", world_size)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # holds tensors: identity equality
@@ -124,6 +124,12 @@ def check_routing(topk_ids, topk_weights, placement: Placement, max_tokens: Opti
         if lo < -1 or hi >= placement.num_experts:
             raise ValueError(f"topk_ids must lie in [-1, {placement.num_experts}) (num_experts="
                              f"{placement.num_experts}; -1 = not routed), got values in [{lo}, {hi}]")
+        ids = torch.sort(topk_ids, dim=1).values
+        twice = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)
+        if bool(twice.any()):
+            token = int(twice.any(dim=1).nonzero()[0, 0])
+            raise ValueError(f"topk_ids names one expert twice for token {token} ({topk_ids[token].tolist()}): "
+                             f"each routed slot of a token must name a different expert")
 
 
 def make_send_plan(topk_ids: torch.Tensor, topk_weights: torch.Tensor, placement: Placement,
@@ -188,7 +194,7 @@ def make_receive_plan(recv_counts: torch.Tensor, placement: Placement, max_m: in
     if tuple(recv_counts.shape) != (world, e_local):
         raise ValueError(f"recv_counts must have shape (world_size, E_local) = {(world, e_local)}, "
                          f"got {tuple(recv_counts.shape)}")
-    _check_int("max_m", max_m)
+    check_int("max_m", max_m)
     counts = recv_counts.to(torch.int64)
     if counts.numel() and int(counts.min()) < 0:
         raise ValueError("recv_counts must be non-negative")

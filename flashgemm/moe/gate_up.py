@@ -11,7 +11,7 @@ exactly as ``activation.silu_mul`` would write it from the bf16 gate_up output.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -32,12 +32,23 @@ from ..validation import (
 from .activation import SCALE_BLOCK, alloc_fp8_input, check_h_out
 
 
-def interleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None):
+class InterleavedW13(NamedTuple):
+    """w13 and its scales in the layout ``gate_up_swiglu`` takes, as
+    ``interleave_w13`` returns them. A type of its own, so that a
+    checkpoint-layout w13 cannot reach the kernel (it would give wrong h
+    without an error)."""
+
+    weight: torch.Tensor  # [E, 2I, H], 64-row gate / up groups alternating
+    scale: Optional[torch.Tensor]  # fp8: [E, 2I/64, ceil(H/128)] float32, one per group; bf16: None
+
+
+def interleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None) -> InterleavedW13:
     """w13 [E, 2I, H] (gate rows, then up rows) reordered as 64-row groups
     gate 0, up 0, gate 1, up 1, ... and, for fp8, its 128x128 block scales
     [E, 2I/128, H/128] as one scale per 64-row group [E, 2I/64, H/128] (a
-    group's rows lie in one 128-row block of w13). Returns (w13, scale) with
-    scale None for bf16; I must be a multiple of 64 (128 for fp8)."""
+    group's rows lie in one 128-row block of w13). Returns an
+    ``InterleavedW13`` (weight, scale) with scale None for bf16; I must be a
+    multiple of 64 (128 for fp8)."""
     _check_tensor("w13", w13, 3, (_FP8, torch.bfloat16))
     e_count, two_i, hidden = w13.shape
     inter = _check_inter(w13, w13.dtype == _FP8)
@@ -47,7 +58,7 @@ def interleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None):
     if w13.dtype != _FP8:
         if w13_scale is not None:
             raise ValueError("w13_scale is only for float8_e4m3fn weights")
-        return w, None
+        return InterleavedW13(w, None)
     _check_tensor("w13_scale", w13_scale, 3, (torch.float32,))
     want = (e_count, two_i // SCALE_BLOCK, -(-hidden // SCALE_BLOCK))
     if tuple(w13_scale.shape) != want:
@@ -55,7 +66,7 @@ def interleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None):
     j = torch.arange(2 * groups, device=w13_scale.device)
     # group j: gate (j even) or up (j odd) rows from row (j // 2) * 64 of that half
     rows = (j % 2) * inter + (j // 2) * SWIGLU_GRANULE
-    return w, w13_scale.index_select(1, rows // SCALE_BLOCK).contiguous()
+    return InterleavedW13(w, w13_scale.index_select(1, rows // SCALE_BLOCK).contiguous())
 
 
 def _check_inter(w13: torch.Tensor, fp8: bool) -> int:
@@ -87,11 +98,10 @@ _MAX_PLANS = 1024
 
 def gate_up_swiglu(
     x: torch.Tensor,
-    w13: torch.Tensor,
+    w13: InterleavedW13,
     masked_m: torch.Tensor,
     *,
     x_scale: Optional[torch.Tensor] = None,
-    w13_scale: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     out_scale: Optional[torch.Tensor] = None,
     expected_m: Optional[int] = None,
@@ -100,11 +110,15 @@ def gate_up_swiglu(
     """``h[e, :m_e] = silu(gate) * up`` of ``x[e, :m_e] @ w13[e].T``, one kernel.
 
     x: [E, max_m, H] (fp8 e4m3 with ``x_scale`` [E, max_m, H/128], or bf16);
-    w13 / w13_scale: from ``interleave_w13``; masked_m: int32 [E] on the GPU.
+    w13: the ``InterleavedW13`` of ``interleave_w13``; masked_m: int32 [E] on the GPU.
     Returns (h fp8 [E, max_m, I], scales fp32 [E, max_m, I/128] M-contiguous)
     for fp8, else h bf16; ``out`` / ``out_scale`` preallocated (``activation.
     alloc_fp8_input``). Rows >= m_e of h are never written. An fp8 call runs
     2-CTA clusters: num_sms >= 2."""
+    if not isinstance(w13, InterleavedW13):
+        raise TypeError(f"w13 must be the InterleavedW13 that interleave_w13(w13, w13_scale) returns, got "
+                        f"{type(w13).__name__}: a checkpoint-layout w13 would give wrong h")
+    w13, w13_scale = w13
     fp8 = isinstance(x, torch.Tensor) and x.dtype == _FP8
     if torch.compiler.is_compiling():
         if out is not None or out_scale is not None:

@@ -24,7 +24,7 @@ import torch
 from ..api import grouped_gemm_nt_masked
 from ..config import SWIGLU_GRANULE
 from ..routing import Combine
-from .activation import silu_mul
+from .activation import SCALE_BLOCK, silu_mul
 from .gate_up import deinterleave_w13, gate_up_swiglu, interleave_w13
 
 FP8 = torch.float8_e4m3fn
@@ -76,8 +76,16 @@ class MaskedExperts:
         if not isinstance(activation, ActivationPath):
             raise TypeError(f"activation must be a flashgemm.moe.ActivationPath, got {activation!r}")
         self.activation = activation
+        inter, mult = two_i // 2, (SCALE_BLOCK if self.fp8 else 8)
+        if activation is ActivationPath.SEPARATE and inter % mult:
+            # checked here, not after gate_up has run: the activation kernel needs whole 1x128 scale
+            # blocks of h (fp8) or 16-byte rows (bf16)
+            raise ValueError(f"w13 [E, 2I, H] and w2 give I={inter}; ActivationPath.SEPARATE needs I a "
+                             f"multiple of {mult} for {'fp8' if self.fp8 else 'bf16'} weights")
+        self.w13_interleaved = None
         if activation is ActivationPath.FUSED:
-            w13, w13_scale = interleave_w13(w13, w13_scale)
+            self.w13_interleaved = interleave_w13(w13, w13_scale)
+            w13, w13_scale = self.w13_interleaved
         self.w13, self.w2 = w13, w2
         self.w13_scale, self.w2_scale = w13_scale, w2_scale
         self.num_experts, self.hidden, self.intermediate = e_count, hidden, two_i // 2
@@ -124,7 +132,7 @@ class MaskedExperts:
             raise ValueError(f"x must be [E={self.num_experts}, max_m, H={self.hidden}], got {tuple(x.shape)}")
         h_scale = None
         if self.activation is ActivationPath.FUSED:
-            h = gate_up_swiglu(x, self.w13, masked_m, x_scale=x_scale, w13_scale=self.w13_scale,
+            h = gate_up_swiglu(x, self.w13_interleaved, masked_m, x_scale=x_scale,
                                expected_m=expected_m, num_sms=num_sms)
             if self.fp8:
                 h, h_scale = h
