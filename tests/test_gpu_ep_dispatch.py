@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from test_gpu_ep import _experts
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (H100/H200); the kernels are sm_90a")
@@ -76,19 +77,6 @@ def test_rows_routing_and_masked_m_equal_the_plan(fp8, ids_dtype):
             else:
                 assert torch.equal(d.x[ex, :m], x[rows_t])
                 assert (d.x[ex, m:].view(torch.uint8) == 0x7F).all()
-
-
-def _experts(e_local, hidden, inter, fp8, seed):
-    from flashgemm.moe.layer import MaskedExperts
-    from flashgemm.quant import quantize_fp8_per_block
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w13 = torch.randn(e_local, 2 * inter, hidden, generator=g, device="cuda") * hidden ** -0.5
-    w2 = torch.randn(e_local, hidden, inter, generator=g, device="cuda") * inter ** -0.5
-    if not fp8:
-        return MaskedExperts(w13.to(torch.bfloat16), w2.to(torch.bfloat16))
-    (q13, s13), (q2, s2) = quantize_fp8_per_block(w13), quantize_fp8_per_block(w2)
-    return MaskedExperts(q13, q2, w13_scale=s13, w2_scale=s2)
 
 
 def _layer(e, hidden, inter, t, k, fp8, max_m=None):

@@ -183,6 +183,47 @@ def _check_sizes(max_tokens, hidden, top_k, dtype) -> None:
         raise ValueError(f"max_tokens * top_k * hidden must stay below 2**31, got {max_tokens * top_k * hidden}")
 
 
+def symmetric_group(group, who: str):
+    """(group, rank, world) of an initialized process group (default: the
+    world) that symmetric memory can serve, multicast off; else an error
+    naming ``who``."""
+    check_multicast_off()
+    reason = symmetric_memory_unavailable()
+    if reason:
+        raise RuntimeError(f"symmetric memory is unavailable: {reason}")
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(f"{who} needs an initialized process group (init_process_group)")
+    group = group or dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world > MAX_PEERS:
+        raise ValueError(f"world size {world} exceeds the {MAX_PEERS} peers the flags block holds")
+    return group, rank, world
+
+
+def alloc_symmetric(nbytes: int, zero_bytes: int, group, rank: int, world: int, device):
+    """Collective: one ``nbytes`` uint8 buffer per rank in symmetric memory,
+    its first ``zero_bytes`` zeroed, then a barrier, so no peer writes into
+    it before that. Returns (raw, handle, every rank's base address)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    _select_backend(symm_mem, device)
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        # needed by older torch releases, a deprecated no-op in newer ones
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+    raw = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(raw, group.group_name)
+    bases = peer_addresses(handle, raw.data_ptr(), rank, world)
+    raw[:zero_bytes].zero_()
+    torch.cuda.current_stream(device).synchronize()
+    handle.barrier(channel=0, timeout_ms=60_000)
+    torch.cuda.current_stream(device).synchronize()
+    return raw, handle, bases
+
+
 def alloc_token_buffers(max_tokens: int, hidden: int, top_k: int, *, dtype: torch.dtype = torch.float32,
                         group=None, device=None) -> TokenBuffers:
     """Collective: every rank of ``group`` (default: the world) allocates its
@@ -191,35 +232,11 @@ def alloc_token_buffers(max_tokens: int, hidden: int, top_k: int, *, dtype: torc
     The flags are zeroed and a barrier follows, so no peer counts into them
     before they are."""
     _check_sizes(max_tokens, hidden, top_k, dtype)
-    check_multicast_off()
-    reason = symmetric_memory_unavailable()
-    if reason:
-        raise RuntimeError(f"symmetric memory is unavailable: {reason}")
-    import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
-
-    if not dist.is_initialized():
-        raise RuntimeError("alloc_token_buffers needs an initialized process group (init_process_group)")
-    group = group or dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if world > MAX_PEERS:
-        raise ValueError(f"world size {world} exceeds the {MAX_PEERS} peers the flags block holds")
+    group, rank, world = symmetric_group(group, "alloc_token_buffers")
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    _select_backend(symm_mem, device)
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        # needed by older torch releases, a deprecated no-op in newer ones
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            symm_mem.enable_symm_mem_for_group(group.group_name)
     nbytes = RECV_OFFSET + max_tokens * top_k * hidden * 2
-    raw = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(raw, group.group_name)
-    bases = peer_addresses(handle, raw.data_ptr(), rank, world)
+    raw, handle, bases = alloc_symmetric(nbytes, FLAG_WORDS * 4, group, rank, world, device)
     flags = raw[: FLAG_WORDS * 4].view(torch.int32)
-    flags.zero_()
-    torch.cuda.current_stream(device).synchronize()
-    handle.barrier(channel=0, timeout_ms=60_000)
-    torch.cuda.current_stream(device).synchronize()
     return TokenBuffers(
         rank=rank,
         world_size=world,

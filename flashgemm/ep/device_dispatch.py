@@ -30,9 +30,9 @@ from ..jit.arch import default_arch, device_facts, ensure_arch_env
 from ..jit.fakes import row_major
 from ..jit.key import cache_key
 from ..jit.options import compile_options
-from .buffers import FLAG_WORDS, MAX_PEERS, STATE_WORDS, check_multicast_off, symmetric_memory_unavailable
+from .buffers import FLAG_WORDS, STATE_WORDS, alloc_symmetric, symmetric_group
 from .dispatch import Dispatched
-from .plan import CombineRouting, Placement
+from .plan import CombineRouting, Placement, check_int
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128
@@ -44,12 +44,6 @@ DEFAULT_MAX_POLLS = 20_000_000  # with <= 1 us back-off: seconds, not a hang
 
 def _round_up(value: int, to: int) -> int:
     return -(-value // to) * to
-
-
-def _check_int(name, value, lo=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +86,12 @@ class DispatchLayout:
 
 def make_layout(hidden: int, num_experts: int, world: int, max_tokens: int, fp8: bool,
                 max_m: Optional[int] = None) -> DispatchLayout:
-    _check_int("hidden", hidden)
+    check_int("hidden", hidden)
     if hidden % 16:
         raise ValueError(f"hidden must be a multiple of 16 (16-column pieces per lane), got {hidden}")
-    _check_int("max_tokens", max_tokens)
+    check_int("max_tokens", max_tokens)
     placement = Placement(num_experts, world)
-    max_m = max_tokens * world if max_m is None else _check_int("max_m", max_m)
+    max_m = max_tokens * world if max_m is None else check_int("max_m", max_m)
     layout = DispatchLayout(placement.experts_per_rank, _round_up(max_m, ROW_ALIGN), hidden, bool(fp8))
     if layout.e_local * layout.max_m * max(hidden, 4 * layout.blocks) >= 2**31:
         raise ValueError(f"E_local * max_m * H must stay below 2**31 elements, got {layout.e_local} * "
@@ -195,32 +189,11 @@ def alloc_dispatch_buffers(max_tokens: int, hidden: int, top_k: int, num_experts
     most tokens any rank dispatches in one call; ``max_m``: rows per local
     expert (the capacity; default ``max_tokens * W``, rounded up to 16).
     The header is zeroed and a barrier follows before anyone writes."""
-    _check_int("top_k", top_k)
-    check_multicast_off()
-    reason = symmetric_memory_unavailable()
-    if reason:
-        raise RuntimeError(f"symmetric memory is unavailable: {reason}")
-    import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
-
-    from .buffers import _select_backend, peer_addresses
-
-    if not dist.is_initialized():
-        raise RuntimeError("alloc_dispatch_buffers needs an initialized process group (init_process_group)")
-    group = group or dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if world > MAX_PEERS:
-        raise ValueError(f"world size {world} exceeds the {MAX_PEERS} peers the flags block holds")
+    check_int("top_k", top_k)
+    group, rank, world = symmetric_group(group, "alloc_dispatch_buffers")
     layout = make_layout(hidden, num_experts, world, max_tokens, fp8, max_m)
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    _select_backend(symm_mem, device)
-    raw = symm_mem.empty(layout.nbytes, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(raw, group.group_name)
-    bases = peer_addresses(handle, raw.data_ptr(), rank, world)
-    raw[:layout.meta].zero_()
-    torch.cuda.current_stream(device).synchronize()
-    handle.barrier(channel=0, timeout_ms=60_000)
-    torch.cuda.current_stream(device).synchronize()
+    raw, handle, bases = alloc_symmetric(layout.nbytes, layout.meta, group, rank, world, device)
     return _buffers(raw, bases, rank, world, num_experts, max_tokens, top_k, layout, handle)
 
 
@@ -228,7 +201,7 @@ def local_dispatch_buffers(max_tokens: int, hidden: int, top_k: int, num_experts
                            max_m: Optional[int] = None, device="cuda") -> DispatchBuffers:
     """Ordinary device memory laid out as one rank's buffer, a world of one
     without a process group (tests)."""
-    _check_int("top_k", top_k)
+    check_int("top_k", top_k)
     layout = make_layout(hidden, num_experts, 1, max_tokens, fp8, max_m)
     raw = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
     return _buffers(raw, [raw.data_ptr()], 0, 1, num_experts, max_tokens, top_k, layout)
