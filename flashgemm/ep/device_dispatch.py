@@ -21,6 +21,7 @@ arrival at the latest.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -59,7 +60,7 @@ class DispatchLayout:
     def blocks(self) -> int:
         return -(-self.hidden // SCALE_BLOCK)
 
-    @property
+    @functools.cached_property  # views made once: the per-call path only reads them
     def counters(self) -> int:
         return FLAG_WORDS * 4
 
@@ -71,7 +72,7 @@ class DispatchLayout:
     def table_bytes(self) -> int:
         return self.e_local * self.max_m * 4
 
-    @property
+    @functools.cached_property  # views made once: the per-call path only reads them
     def x(self) -> int:
         return _round_up(self.meta + 4 * self.table_bytes, ALIGN)
 
@@ -140,28 +141,28 @@ class DispatchBuffers:
         width = torch.empty((), dtype=dtype).element_size()
         return self.raw[offset:offset + count * width].view(dtype).view(*shape)
 
-    @property
+    @functools.cached_property  # views made once: the per-call path only reads them
     def flags(self) -> torch.Tensor:
         return self.raw[:FLAG_WORDS * 4].view(torch.int32)
 
-    @property
+    @functools.cached_property  # views made once: the per-call path only reads them
     def counters(self) -> torch.Tensor:
         lay = self.layout
         return self._view(lay.counters, torch.int32, (lay.e_local,))
 
-    @property
+    @functools.cached_property  # views made once: the per-call path only reads them
     def x(self) -> torch.Tensor:
         lay = self.layout
         return self._view(lay.x, FP8 if lay.fp8 else torch.bfloat16, (lay.e_local, lay.max_m, lay.hidden))
 
-    @property
+    @functools.cached_property  # views made once: the per-call path only reads them
     def x_scale(self) -> Optional[torch.Tensor]:
         lay = self.layout
         if not lay.fp8:
             return None
         return self._view(lay.scale, torch.float32, (lay.e_local, lay.blocks, lay.max_m)).transpose(1, 2)
 
-    @property
+    @functools.cached_property  # views made once: the per-call path only reads them
     def routing(self) -> CombineRouting:
         """The combine's routing, written by the dispatch (rows >= masked_m[e]
         hold whatever an earlier layer left: nothing reads them)."""

@@ -35,10 +35,8 @@ from cutlass.experimental.primitives.nvvm_wrapper import nanosleep
 
 from ..moe.swiglu import FP8_MAX, MIN_AMAX
 from .buffers import MAX_PEERS
+from .combine_kernel import ERR_BAD_ROUTE, ERR_PEER_FAILED, ERR_PEER_TIMEOUT  # one error word for the layer
 
-ERR_BAD_ROUTE = 2
-ERR_PEER_TIMEOUT = 4
-ERR_PEER_FAILED = 8
 ERR_OVERFLOW = 16
 ERR_SEQUENCE = 32
 THREADS = 512

@@ -16,7 +16,8 @@
    this rank's outputs (float32 or bf16).
 
 With the device dispatch the whole layer runs without a host sync and is
-captured in one CUDA graph (``capture``); its error word is the dispatch
+captured in one CUDA graph (``torch.cuda.graph`` around a call; replays read
+new tokens written in place); its error word is the dispatch
 buffers' sticky ``err``. The baseline reads its split sizes on the host, so
 only steps 2 to 4 are capturable there.
 
