@@ -39,6 +39,13 @@ def test_rows_leave_as_plain_16_byte_stores(combine_ptx):
     assert not rows, rows  # the only reductions left are the int32 completion counts
 
 
+def test_warps_find_their_rows_32_experts_at_a_time(combine_ptx):
+    # lane-parallel loads of masked_m and one warp scan, not one dependent load per expert
+    assert _lines(combine_ptx, r"shfl\.sync\.up\.b32")
+    assert _lines(combine_ptx, r"vote\.sync\.ballot\.b32")
+    assert _lines(combine_ptx, r"popc\.b32")
+
+
 def test_completion_is_release_acquire_at_system_scope(combine_ptx, complete_ptx):
     for ptx in (combine_ptx, complete_ptx):
         assert _lines(ptx, r"red\.release\.sys\.global\.add\.s32")  # count into each peer's flags

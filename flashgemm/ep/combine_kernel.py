@@ -23,7 +23,7 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.experimental.primitives.nvvm_wrapper import nanosleep
 
-from ..schedule.walker import MaskedTileScheduler
+from ..schedule.warp_walk import lane_expert_items, pick_item
 from ..signals import check_rows_per_item
 from ..sm90.combine import wait_signal
 from .buffers import MAX_PEERS
@@ -89,10 +89,10 @@ class EpCombineSm90:
 
     Roles: every warp of every CTA (``COMBINE_THREADS`` threads, one CTA per
     SM the GEMM leaves free) is a team of its own. Work items are
-    ``rows_per_item``-row slices of the valid rows, walked in the GEMM's
-    expert-major order by the GEMM's masked scheduler and dealt round-robin to
-    the warps of all CTAs. For an item every lane acquire-polls the
-    m-block's counter (one load per warp), so each lane's reads of the rows
+    ``rows_per_item``-row slices of the valid rows in the GEMM's
+    expert-major order, dealt round-robin to the warps of all CTAs; a warp
+    finds its items 32 experts at a time (``schedule.warp_walk``). For an
+    item every lane acquire-polls the m-block's counter (one load per warp), so each lane's reads of the rows
     are ordered after the GEMM's release without a barrier. The warp then
     walks the item's rows flattened: each lane loads ``ROUNDS`` 16-byte bf16
     chunks, scales them by their row's weight in fp32, rounds them to bf16
@@ -161,7 +161,6 @@ class EpCombineSm90:
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
         num_experts = cute.size(mOut, mode=[0])
         max_m = cute.size(mOut, mode=[1])
         n = cute.size(mOut, mode=[2])
@@ -173,45 +172,23 @@ class EpCombineSm90:
         frag = cute.make_rmem_tensor((CHUNK, ROUNDS), mOut.element_type)
         vals = cute.make_rmem_tensor((CHUNK,), cutlass.Float32)
         piece = cute.make_rmem_tensor((CHUNK,), cutlass.BFloat16)
-        sched = MaskedTileScheduler.create(
-            mMaskedM, num_experts, max_m, Int32(1), self.rows_per_item, bidx + warp_idx * gdim, gdim * WARPS
-        )
-        work = sched.work()
-        while work.is_valid:
-            e = work.expert
-            row0 = work.m_block * self.rows_per_item
-            unit = e * num_m_slots + row0 // self.block_m  # the GEMM m-block's counter
-            if wait_signal(mSignals.iterator + unit, n_tiles, max_polls, mErr.iterator):
-                total = work.valid_rows * n  # the item's rows, flattened
-                for g0 in cutlass.range(0, total, WARP_ELEMS, unroll=1):
-                    # loads first (clamped to the last chunk: n % 8 == 0, so a
-                    # chunk never crosses a row), then the reductions
-                    for j in cutlass.range_constexpr(ROUNDS):
-                        i = cutlass.min(g0 + (j * 32 + lane) * CHUNK, total - CHUNK)
-                        r = i // n
-                        src = cute.local_tile(mOut[e, row0 + r, None], (CHUNK,), ((i - r * n) // CHUNK,))
-                        cute.autovec_copy(src, frag[None, j])
-                    for j in cutlass.range_constexpr(ROUNDS):
-                        i = g0 + (j * 32 + lane) * CHUNK
-                        if i < total:
-                            r = i // n
-                            owner = Int32(mSrcRank[e, row0 + r])
-                            token = Int32(mSrcToken[e, row0 + r])
-                            slot = Int32(mSrcSlot[e, row0 + r])
-                            if (owner >= 0) & (owner < world) & (token >= 0) & (token < num_tokens) \
-                                    & (slot >= 0) & (slot < top_k):
-                                vals.store(frag[None, j].load().to(cutlass.Float32) * mWeight[e, row0 + r])
-                                piece.store(vals.load().to(cutlass.BFloat16))
-                                words = cute.recast_tensor(piece, Int32)  # 8 bf16 as 4 words
-                                offset = (Int64(token) * Int64(top_k) + Int64(slot)) * Int64(n) + Int64(i - r * n)
-                                dst = cute.make_ptr(cutlass.BFloat16, mPeerRecv[owner], cute.AddressSpace.gmem,
-                                                    assumed_align=16)
-                                # one writer per (token, slot): a plain store, no remote atomic
-                                cute.arch.store(dst + offset, words.load().ir_value())
-                            else:
-                                cute.arch.atomic_or(mErr.iterator, Int32(ERR_BAD_ROUTE))
-            sched.advance()
-            work = sched.work()
+        u = bidx + warp_idx * gdim  # this warp's next item, over the launch
+        stride = gdim * WARPS
+        base = Int32(0)  # the chunk's first expert
+        before = Int32(0)  # items of the experts before it
+        while base < num_experts:
+            rows_l, incl = lane_expert_items(mMaskedM, num_experts, max_m, base, self.rows_per_item)
+            chunk_items = cute.arch.shuffle_sync(incl, 31)
+            while u - before < chunk_items:
+                lane_sel, row0, valid_rows = pick_item(rows_l, incl, u - before, self.rows_per_item)
+                e = base + lane_sel
+                unit = e * num_m_slots + row0 // self.block_m  # the GEMM m-block's counter
+                if wait_signal(mSignals.iterator + unit, n_tiles, max_polls, mErr.iterator):
+                    self.item(mOut, mSrcRank, mSrcToken, mSrcSlot, mWeight, mPeerRecv, mErr, frag, vals, piece,
+                              e, row0, valid_rows * n, n, world, num_tokens, top_k)
+                u = u + stride
+            before = before + chunk_items
+            base = base + 32
 
         # the CTA's stores are performed system-wide before it counts as done: the
         # barrier orders them before thread 0's fence, which is cumulative (one
@@ -227,6 +204,39 @@ class EpCombineSm90:
         if (sLast[0] != 0) & (warp_idx == 0):
             peer_completion(mPeerFlags, mFlags, mState, mErr, rank, world, max_polls)
 
+
+    @cute.jit
+    def item(self, mOut, mSrcRank, mSrcToken, mSrcSlot, mWeight, mPeerRecv, mErr, frag, vals, piece,
+             e: Int32, row0: Int32, total: Int32, n: Int32, world: Int32, num_tokens: Int32, top_k: Int32):
+        """One item's rows, flattened (``total`` elements), by the whole warp:
+        each lane's ``ROUNDS`` loads first (clamped to the last chunk:
+        n % 8 == 0, so a chunk never crosses a row), then its stores."""
+        lane = cute.arch.lane_idx()
+        for g0 in cutlass.range(0, total, WARP_ELEMS, unroll=1):
+            for j in cutlass.range_constexpr(ROUNDS):
+                i = cutlass.min(g0 + (j * 32 + lane) * CHUNK, total - CHUNK)
+                r = i // n
+                src = cute.local_tile(mOut[e, row0 + r, None], (CHUNK,), ((i - r * n) // CHUNK,))
+                cute.autovec_copy(src, frag[None, j])
+            for j in cutlass.range_constexpr(ROUNDS):
+                i = g0 + (j * 32 + lane) * CHUNK
+                if i < total:
+                    r = i // n
+                    owner = Int32(mSrcRank[e, row0 + r])
+                    token = Int32(mSrcToken[e, row0 + r])
+                    slot = Int32(mSrcSlot[e, row0 + r])
+                    if (owner >= 0) & (owner < world) & (token >= 0) & (token < num_tokens) \
+                            & (slot >= 0) & (slot < top_k):
+                        vals.store(frag[None, j].load().to(cutlass.Float32) * mWeight[e, row0 + r])
+                        piece.store(vals.load().to(cutlass.BFloat16))
+                        words = cute.recast_tensor(piece, Int32)  # 8 bf16 as 4 words
+                        offset = (Int64(token) * Int64(top_k) + Int64(slot)) * Int64(n) + Int64(i - r * n)
+                        dst = cute.make_ptr(cutlass.BFloat16, mPeerRecv[owner], cute.AddressSpace.gmem,
+                                            assumed_align=16)
+                        # one writer per (token, slot): a plain store, no remote atomic
+                        cute.arch.store(dst + offset, words.load().ir_value())
+                    else:
+                        cute.arch.atomic_or(mErr.iterator, Int32(ERR_BAD_ROUTE))
 
 
 class EpCompleteSm90:

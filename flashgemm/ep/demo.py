@@ -10,8 +10,9 @@ fused (the GEMM's epilogue stores each row into its owner), signalled (a
 combine kernel on another stream polls the GEMM's completion signals) and
 sequential; then each rank sums its tokens' k rows. The tokens are checked
 against the all-gather reference (every form). Then, per size in
-``--sizes``, the whole layer is captured in one CUDA graph and replayed
-against the same rank's GEMMs alone (medians, interleaved), with the
+``--sizes``, the whole layer is captured in CUDA graphs and replayed
+against the same rank's GEMMs alone (medians, interleaved), each part's
+time inside the layer's graph beside its time alone, with the
 dispatch alone against its bound (the bytes any rank sends to or receives
 from its peers over a plain peer copy measured in the same run) and the
 combine kernel alone against the same copy rate. ``--layers N`` replays the
@@ -194,7 +195,7 @@ def _run(args) -> int:
     from ..reference import similarity
     from ..timing import capture_graph
     from .buffers import alloc_token_buffers
-    from .combine import check_error
+    from .combine import check_error, complete
     from .device_dispatch import alloc_dispatch_buffers
     from .layer import CombineForm, EpMoELayer
     from .reference import ep_layer_ref
@@ -259,8 +260,9 @@ def _run(args) -> int:
     if args.baseline:
         return _baseline_times(layer, x, x_scale, ids, w, expected_m, forms, args, rank, world, device, ok)
 
-    _say(rank, "  per size: the whole layer (fused form) replayed from one CUDA graph, against the same rank's "
-               "GEMMs alone (gate_up + SwiGLU, down) from a graph, on the same rows; medians, the slowest rank")
+    _say(rank, "  per size: the whole layer (fused form) from CUDA graphs of 10 layers back to back after a "
+               "barrier, against the same rank's GEMMs alone (gate_up + SwiGLU, down) timed the same way on the "
+               "same rows, interleaved; per layer, medians, the slowest rank")
     _say(rank, f"  {'T/rank':>6} {'layer us':>9} {'GEMMs us':>9} {'ratio':>6} {'sig. us':>8} {'disp. us':>9} "
                f"{'bound us':>9} {'d/(2b+10)':>9} {'peer GB/s':>9} {'comb. us':>9} {'comb/peer':>9} {'check':>8}")
     rate_lines = []
@@ -268,10 +270,10 @@ def _run(args) -> int:
         x, _, ids, w = inputs(t)
         em = max(1, t * world * args.top_k // args.experts)
         layers = []
-        graphs = {form: capture_graph(lambda form=form: layers.append(
-            layer(x, ids, w, expected_m=em, form=form)), calls=1) for form in forms[:2]}
+        graph = capture_graph(lambda: layers.append(layer(x, ids, w, expected_m=em, form=CombineForm.FUSED)),
+                              calls=1)
         buffers.tokens.fill_(float("nan"))
-        graphs[CombineForm.FUSED].replay()
+        graph.replay()
         torch.cuda.synchronize()
         check_error(layers[-1][1], rank)
         sim = similarity(buffers.tokens[:t].clone(), reference(x, None, ids, w)) if t else 0.0
@@ -284,16 +286,10 @@ def _run(args) -> int:
             grouped_gemm_nt_masked(h, experts.w2, y, d.masked_m, a_scale=hs, b_scale=experts.w2_scale,
                                    expected_m=em)
 
-        gemm_graph = capture_graph(gemms, calls=1)
-        whole, alone, sig = [], [], []
-        for i in range(args.warmup + args.iters):  # interleaved: clocks and power state shared
-            a = parts.graph_us(graphs[CombineForm.FUSED], 1)
-            b = parts.graph_us(gemm_graph, 1)
-            c = parts.graph_us(graphs[CombineForm.SIGNALLED], 1)
-            if i >= args.warmup:
-                whole += a
-                alone += b
-                sig += c
+        timed = parts.chains_us(lambda: complete(buffers, recv.err), {
+            "layer": lambda: layer(x, ids, w, expected_m=em, form=CombineForm.FUSED),
+            "gemms": gemms,
+            "signalled": lambda: layer(x, ids, w, expected_m=em, form=CombineForm.SIGNALLED)}, args)
         torch.cuda.synchronize()
         check_error(recv.err, rank)
         d = layer.dispatch(x, ids, w)
@@ -303,9 +299,15 @@ def _run(args) -> int:
         h, hs = layer.up(d, em)
         seq = parts.sequential_parts_us(layer, d, h, hs, ids, em, args)
         disp = parts.dispatch_alone_us(layer, x, ids, w, args)
+        cut = parts.layer_parts_us(layer, x, ids, w, em, args)
+        cut_names = list(cut)
+        cut_t = torch.tensor([cut[k] for k in cut_names], device=device, dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(cut_t, op=dist.ReduceOp.MAX)
+        cut = dict(zip(cut_names, cut_t.tolist()))
         worst = max(sent, received)
         rates = parts.peer_copy_gbps(recv, args) if world > 1 else {"engines": 0.0, "sms": 0.0}
-        stats = torch.tensor([statistics.median(whole), statistics.median(alone), statistics.median(sig), disp,
+        stats = torch.tensor([timed["layer"], timed["gemms"], timed["signalled"], disp,
                               -max(rates.values()), seq["combine"], sim, remote, -rates["engines"],
                               -rates["sms"]], device=device, dtype=torch.float64)
         if world > 1:
@@ -317,7 +319,10 @@ def _run(args) -> int:
         rate_lines.append(f"  {t:6d} tokens/rank: peer copy {ce:.0f} GB/s by the copy engines, {sm:.0f} GB/s by "
                           f"an SM kernel ({parts.RATE_BYTES >> 20} MiB per rank, every rank at once); the dispatch "
                           f"moves {worst / 1e6:.2f} MB at most per rank, the combine {remote / 1e6:.2f} MB "
-                          f"({comb_rate:.0f} GB/s), the down GEMM alone {seq['down']:.1f} us")
+                          f"({comb_rate:.0f} GB/s), the down GEMM alone {seq['down']:.1f} us\n"
+                          f"    parts inside the layer's graph: dispatch {cut['dispatch']:.1f} us, gate_up + SwiGLU "
+                          f"{cut['up']:.1f} (alone {cut['up_alone']:.1f}), down + combine + completion "
+                          f"{cut['down+combine']:.1f} (down alone {cut['down_alone']:.1f}), sum {cut['sum']:.1f}")
         good = sim < SIMILARITY_TOL
         ok = ok and good
         _say(rank, f"  {t:6d} {lay_us:9.1f} {gem_us:9.1f} {lay_us / gem_us:6.3f} {sig_us:8.1f} {disp_us:9.1f} "

@@ -132,12 +132,7 @@ class EpMoELayer:
         if err is None:
             err = self.recv.err if self.recv is not None else torch.zeros(1, dtype=torch.int32, device=self.device)
         if form is CombineForm.FUSED:
-            rows = buffers.rows_per_rank
-            target = Combine(d.routing.destinations(rows, buffers.top_k), d.routing.weight,
-                             buffers.recv.view(rows, ex.hidden), err, peers=buffers.peer_recv)
-            grouped_gemm_nt_masked(h, ex.w2, None, d.masked_m, a_scale=h_scale, b_scale=ex.w2_scale,
-                                   expected_m=expected_m, combine=target)
-            complete(buffers, err, max_polls=self.max_polls)
+            self.down_fused(d, h, h_scale, err, expected_m)
             return finalize(buffers, topk_ids), err
         overlap = form is CombineForm.SIGNALLED
         gemm_sms = self.gemm_sms if overlap else None
@@ -169,6 +164,18 @@ class EpMoELayer:
                       routing.weight):
                 t.record_stream(side)
         return finalize(buffers, topk_ids), err
+
+    def down_fused(self, d: Dispatched, h, h_scale, err: torch.Tensor, expected_m: Optional[int] = None) -> None:
+        """The fused form's down GEMM, its epilogue storing each weighted row
+        into its owner's receive buffer, then the completion step (every
+        peer's rows have landed here on return, stream-ordered)."""
+        ex, buffers = self.experts, self.buffers
+        rows = buffers.rows_per_rank
+        target = Combine(d.routing.destinations(rows, buffers.top_k), d.routing.weight,
+                         buffers.recv.view(rows, ex.hidden), err, peers=buffers.peer_recv)
+        grouped_gemm_nt_masked(h, ex.w2, None, d.masked_m, a_scale=h_scale, b_scale=ex.w2_scale,
+                               expected_m=expected_m, combine=target)
+        complete(buffers, err, max_polls=self.max_polls)
 
     def _workspace(self, layout, e_count: int, max_m: int):
         """The down GEMM's output and signals of the signalled forms, made once

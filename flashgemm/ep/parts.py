@@ -179,3 +179,68 @@ def dispatch_bytes(recv, d, ids, rank, world, e_local, device) -> tuple:
     if world > 1:
         dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return int(out[0]), int(out[1])
+
+
+
+def chains_us(barrier, steps: dict, args, reps: int = REPS) -> dict:
+    """Each step's time per launch, from graph replays: one ``barrier``
+    (every rank) and then ``reps`` launches of the step back to back, less
+    a graph of the barrier alone. The barrier lines the ranks up, so a
+    rank's host launching its replay late shows up in the barrier, not in a
+    step; the steps' graphs are replayed interleaved. Collective."""
+    from ..timing import capture_graph
+
+    def chain(step):
+        def run():
+            barrier()
+            for _ in range(reps):
+                step()
+        return run
+
+    graphs = {name: capture_graph(chain(step), calls=1) for name, step in steps.items()}
+    graphs[None] = capture_graph(barrier, calls=1)
+    times = {name: [] for name in graphs}
+    for i in range(args.warmup + args.iters):
+        for name, graph in graphs.items():
+            got = graph_us(graph, 1)
+            if i >= args.warmup:
+                times[name] += got
+    base = statistics.median(times.pop(None))
+    return {name: (statistics.median(t) - base) / reps for name, t in times.items()}
+
+
+def layer_parts_us(layer, x, ids, w, expected_m, args) -> dict:
+    """The fused layer's parts where they run, inside its graph: the layer
+    cut after each part (dispatch; + gate_up; + down with the fused combine
+    and the completion; + the sum), each cut ended by a completion step so
+    that no rank claims rows of the next launch early, timed by
+    ``chains_us``; a part's time is the difference of two neighbouring
+    cuts. Beside them, gate_up and down alone on the same rows
+    (``up_alone``, ``down_alone``). Collective."""
+    from ..api import grouped_gemm_nt_masked
+    from .combine import complete, finalize
+
+    ex, buffers, err = layer.experts, layer.buffers, layer.recv.err
+
+    def cut(parts):
+        def run():
+            d = layer.dispatch(x, ids, w)
+            if parts > 1:
+                h, hs = layer.up(d, expected_m)
+            if parts > 2:
+                layer.down_fused(d, h, hs, err, expected_m)
+            if parts > 3:
+                finalize(buffers, ids)
+            complete(buffers, err)
+        return run
+
+    d = layer.dispatch(x, ids, w)
+    h, hs = layer.up(d, expected_m)
+    y = torch.empty(h.shape[0], h.shape[1], ex.hidden, dtype=torch.bfloat16, device=h.device)
+    steps = {k: cut(k) for k in (1, 2, 3, 4)}
+    steps["up_alone"] = lambda: layer.up(d, expected_m)
+    steps["down_alone"] = lambda: grouped_gemm_nt_masked(h, ex.w2, y, d.masked_m, a_scale=hs, b_scale=ex.w2_scale,
+                                                         expected_m=expected_m)
+    t = chains_us(lambda: complete(buffers, err), steps, args)
+    return {"dispatch": t[1], "up": t[2] - t[1], "down+combine": t[3] - t[2], "sum": t[4] - t[3],
+            "up_alone": t["up_alone"], "down_alone": t["down_alone"]}
