@@ -33,7 +33,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # this checkout's flashgemm; common.py beside this file
 import flashgemm  # noqa: E402
-from flashgemm.config import GemmConfig, Operands  # noqa: E402
+from flashgemm.config import GemmConfig  # noqa: E402
+from flashgemm.formats import Format  # noqa: E402
 from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error  # noqa: E402
 from flashgemm.sm90.heuristic import reachable_specs  # noqa: E402
 from flashgemm.sm90.limits import check_config  # noqa: E402
@@ -109,18 +110,18 @@ def time_fastest(results, key, candidates, out, check, reps, what):
 
 QUACK_TUNED = [False]  # --quack-tuned
 PAIRED_ROUNDS = [6]  # --paired-rounds
-EXTRA_CONFIGS: dict = {}  # --configs: Operands -> the configs valid for them
+EXTRA_CONFIGS: dict = {}  # --configs: Format -> the configs valid for them
 
 # --sweep: tiles the heuristic never picks, timed after every one it can pick
 SWEEP_EXTRA = {
-    Operands.BF16: (
+    Format.BF16: (
         GemmConfig(tile_m=64, tile_n=256),
         GemmConfig(tile_m=128, tile_n=192, cluster_n=2),
         GemmConfig(tile_m=128, tile_n=64, cluster_n=2),
         GemmConfig(tile_m=192, tile_n=128, cluster_n=2),
         GemmConfig(tile_m=192, tile_n=64, cluster_n=2),
     ),
-    Operands.FP8_BLOCK: (
+    Format.FP8_BLOCK128: (
         GemmConfig(tile_m=128, tile_n=192, cluster_n=2),
         GemmConfig(tile_m=64, tile_n=64, cluster_n=2),
         GemmConfig(tile_m=64, tile_n=192, cluster_n=2),
@@ -276,9 +277,9 @@ def run_fp8_case(case, seed, reps, sweep=False, dist="uniform"):
     errs.append(max_diff())
     if max(errs) > 1e-3:
         raise SystemExit(f"{case['name']} fp8: flashgemm result wrong (max similarity diff {max(errs):.2e})")
-    variants = list(EXTRA_CONFIGS.get(Operands.FP8_BLOCK, ()))
+    variants = list(EXTRA_CONFIGS.get(Format.FP8_BLOCK128, ()))
     if sweep:
-        variants += sweep_configs(Operands.FP8_BLOCK)
+        variants += sweep_configs(Format.FP8_BLOCK128)
     sweep_err = time_configs(
         results, f"{case['name']} fp8", variants, out, max_diff, 1e-3, reps,
         lambda cfg: flashgemm.grouped_gemm_nt_masked(
@@ -361,9 +362,9 @@ def run_case(case, seed, reps, host=False, sweep=False, dist="uniform"):
         raise SystemExit(f"{case['name']}: flashgemm result wrong (max rel err {max(errs):.2e})")
     ours_host_us = host_us(ours) if host else None
 
-    variants = list(EXTRA_CONFIGS.get(Operands.BF16, ()))
+    variants = list(EXTRA_CONFIGS.get(Format.BF16, ()))
     if sweep:
-        variants += sweep_configs(Operands.BF16)
+        variants += sweep_configs(Format.BF16)
     sweep_err = time_configs(
         results, case["name"], variants, out, max_err, 1e-2, reps,
         lambda cfg: flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, config=cfg),
@@ -537,7 +538,7 @@ def main():
     args = p.parse_args()
     QUACK_TUNED[0] = args.quack_tuned
     PAIRED_ROUNDS[0] = args.paired_rounds
-    dtypes = {"bf16": [Operands.BF16], "fp8": [Operands.FP8_BLOCK]}.get(args.dtype, list(Operands))
+    dtypes = {"bf16": [Format.BF16], "fp8": [Format.FP8_BLOCK128]}.get(args.dtype, [Format.BF16, Format.FP8_BLOCK128])
     EXTRA_CONFIGS.clear()
     EXTRA_CONFIGS.update(split_configs([parse_config(c) for c in args.configs], dtypes))
     if not torch.cuda.is_available():

@@ -25,14 +25,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # this checkout's flashgemm; common.py beside this file
 import flashgemm  # noqa: E402
 from flashgemm import api, workspace  # noqa: E402
-from flashgemm.config import KernelSpec, Operands  # noqa: E402
+from flashgemm.config import KernelSpec  # noqa: E402
+from flashgemm.formats import Format  # noqa: E402
 from flashgemm.sm90.build import get_kernel  # noqa: E402
 from flashgemm.sm90.heuristic import DECODE_CONFIG  # noqa: E402
 from common import host_us, time_graph  # noqa: E402
 
 NO_EXTRAS = (None,) * 6  # a plain call: no combine routing (5) and no fused-SwiGLU scales
 
-SPEC = KernelSpec(DECODE_CONFIG, Operands.BF16)
+SPEC = KernelSpec(DECODE_CONFIG, Format.BF16)
 
 
 def main():

@@ -39,7 +39,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # this checkout's flashgemm; common.py beside this file
 import flashgemm  # noqa: E402
-from flashgemm.config import Operands  # noqa: E402
+
+from flashgemm.formats import Format  # noqa: E402
 from flashgemm.overlap import combine_masked, run_gemm_and_combine  # noqa: E402
 from flashgemm.sm90.limits import check_config  # noqa: E402
 from common import (  # noqa: E402
@@ -142,7 +143,7 @@ def change_signalled_configs(changes):
         given = params.bind(*args, **kw).arguments
         if not given.get("signals", False):
             return cfg
-        operands = Operands.FP8_BLOCK if given.get("fp8", False) else Operands.BF16
+        operands = Format.FP8_BLOCK128 if given.get("fp8", False) else Format.BF16
         return check_config(apply_changes(cfg, changes), operands)
 
     api.choose_config = flashgemm.choose_config = changed

@@ -2,7 +2,7 @@
 Hopper, and Blackwell with MXFP8 / NVFP4)."""
 
 from .version import __version__
-from .config import Epilogue, GemmConfig, KernelSpec, Operands, Promotion, Staging, Tail, TileOrder
+from .config import Epilogue, GemmConfig, KernelSpec, Promotion, Staging, Tail, TileOrder
 from .api import grouped_gemm_nt_masked, signal_layout
 from .formats import Format
 from .sm100.config import Sm100Config
@@ -40,7 +40,6 @@ __all__ = [
     "Format",
     "GemmConfig",
     "KernelSpec",
-    "Operands",
     "Promotion",
     "SignalLayout",
     "Sm100Config",

@@ -14,7 +14,7 @@ import torch
 from .blockscaled_args import check_alpha, format_of, infer_format, validate_blockscaled_args
 from .formats import Format, check_format_on
 from .jit.arch import backend_name, default_arch, device_facts
-from .config import Epilogue, GemmConfig, KernelSpec, Operands
+from .config import Epilogue, GemmConfig, KernelSpec
 from .signals import SignalLayout, check_granularity, check_signal_buffer, make_signal_layout, validate_signals
 from .sm90.heuristic import choose_config
 from .routing import COMBINE_FIELDS, Combine, check_combine, combine_epilogue
@@ -53,7 +53,7 @@ def _resolve_config(
         return choose_config(expected_m, max_m, n, k, grid_cap, fp8, num_experts, signals, combine)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(config).__name__}")
-    return validated_config(config, Operands.FP8_BLOCK if fp8 else Operands.BF16,
+    return validated_config(config, Format.FP8_BLOCK128 if fp8 else Format.BF16,
                             Epilogue.COMBINE if combine else Epilogue.STORE)
 
 
@@ -466,7 +466,7 @@ def _make_plan(
     mode = layout.granularity if layout is not None else None
     d_dtype = out_dtype(a.dtype)
     copy_a_scale = fp8 and tma_ready_a_scale(a_scale, check_only=True)
-    fn = get_kernel(KernelSpec(config, Operands.FP8_BLOCK if fp8 else Operands.BF16, mode, epilogue))
+    fn = get_kernel(KernelSpec(config, Format.FP8_BLOCK128 if fp8 else Format.BF16, mode, epilogue))
     if config.dynamic and index is not None:
         workspace.prepare_graph_counters(index)
     return _LaunchPlan(

@@ -19,22 +19,7 @@ import typing
 from collections.abc import Hashable
 from typing import Optional
 
-
-class Operands(enum.Enum):
-    """Operand format of A and B (the output is bf16 for both)."""
-
-    BF16 = "bf16"
-    FP8_BLOCK = "fp8e4m3"  # e4m3 with 1x128 activation / 128x128 weight fp32 scales
-
-    @property
-    def elem_bytes(self) -> int:
-        return 1 if self is Operands.FP8_BLOCK else 2
-
-    @property
-    def tile_k(self) -> int:
-        """K depth of one pipeline stage: one 128-byte swizzle row (for fp8
-        also one 128-wide scale block)."""
-        return 128 // self.elem_bytes
+from .formats import Format
 
 
 class TileOrder(enum.Enum):
@@ -207,8 +192,8 @@ class GemmConfig:
         """Staging buffers of one epi_tile each: the whole tile, or a pair."""
         return self.tile_n // EPI_COLS if self.staging is Staging.WHOLE_TILE else EPI_PAIR_BUFFERS
 
-    def tile_mnk(self, operands: Operands) -> tuple[int, int, int]:
-        return (self.tile_m, self.tile_n, operands.tile_k)
+    def tile_mnk(self, fmt: Format) -> tuple[int, int, int]:
+        return (self.tile_m, self.tile_n, fmt.tile_k)
 
     def n_groups(self, n: int) -> int:
         """Units of work along N: ceil(ceil(N / tile_n) / cluster_n)."""
@@ -226,7 +211,7 @@ class GemmConfig:
             max_units *= 2
         return max(1, min(num_sms // self.cluster_n, max_units))
 
-    def check_fields(self, operands: Operands) -> "GemmConfig":
+    def check_fields(self, fmt: Format) -> "GemmConfig":
         """The arch-neutral rules: field types and the combinations no kernel
         implements. Raises ValueError naming the field."""
         check_field_types(self)
@@ -239,7 +224,7 @@ class GemmConfig:
             raise ValueError(f"config.cluster_n must be 1 or 2, got {self.cluster_n}")
         if self.stages < 0:
             raise ValueError(f"config.stages must be >= 0 (0 = auto), got {self.stages}")
-        if self.promotion is not Promotion.SERIAL and operands is not Operands.FP8_BLOCK:
+        if self.promotion is not Promotion.SERIAL and fmt is not Format.FP8_BLOCK128:
             raise ValueError(
                 f"config.promotion={self.promotion.name} applies to block-scaled fp8 operands only"
             )
@@ -323,10 +308,10 @@ class KernelSpec:
     (None, "m_block" or "expert") and its epilogue."""
 
     config: GemmConfig
-    operands: Operands
+    fmt: Format
     signal_mode: Optional[str] = None
     epilogue: Epilogue = Epilogue.STORE
 
     def name(self) -> str:
         tail = self.epilogue.value if self.epilogue is not Epilogue.STORE else self.signal_mode or "nosig"
-        return f"{self.operands.value}-{self.config.short_name()}-{tail}"
+        return f"{self.fmt.value}-{self.config.short_name()}-{tail}"

@@ -25,7 +25,7 @@ import torch
 
 EP, TOP_K = 8, 8
 # without a GPU: the GEMMs of this tile configuration (every epilogue) are compiled
-CPU_SAMPLE = "fp8e4m3-m64n128sAc2"
+CPU_SAMPLE = "fp8_block128-m64n128sAc2"
 LAYERS = (  # name, experts in all, local experts, hidden, intermediate, tokens per rank
     ("DeepSeek-V3 EP8, 128 tokens/rank", 256, 32, 7168, 2048, 128),
     ("DeepSeek-V3 EP8, 256 tokens/rank", 256, 32, 7168, 2048, 256),

@@ -35,6 +35,18 @@ class Format(enum.Enum):
         return {Format.BF16: 16, Format.FP8_BLOCK128: 8, Format.MXFP8: 8, Format.NVFP4: 4}[self]
 
     @property
+    def elem_bytes(self):
+        """Bytes per element of a and b: an int, or 0.5 for packed NVFP4."""
+        bits = self.element_bits
+        return bits // 8 if bits % 8 == 0 else bits / 8
+
+    @property
+    def tile_k(self) -> int:
+        """K depth of one 128-byte swizzle row of an operand tile (for 1x128
+        fp8 also one scale block): a Hopper pipeline stage."""
+        return 1024 // self.element_bits
+
+    @property
     def block_scaled(self) -> bool:
         """Scales applied by the tensor core (Blackwell ``kind::mx*.block_scale``)."""
         return self in (Format.MXFP8, Format.NVFP4)

@@ -12,7 +12,6 @@ from .config import Epilogue
 from .validation import _byte_span, _check_tensor, _overlaps
 
 COMBINE_FIELDS = ("combine.token_index", "combine.weight", "combine.output", "combine.err", "combine.peers")
-ERR_BAD_TOKEN = 2  # error-word bit: a token index outside [0, T) or [0, W * R) (that row skipped)
 # the dtypes the sums may have: fp32, or bf16 (half the reduction bytes; docs/design.md)
 SUM_DTYPES = (torch.float32, torch.bfloat16)
 

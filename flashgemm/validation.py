@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .config import Epilogue, GemmConfig, Operands, Tail, check_field_types
+from .config import Epilogue, GemmConfig, Tail, check_field_types
 from .formats import Format
 from .jit.arch import backend_name
 from .sm100.config import Sm100Config
@@ -302,9 +302,9 @@ def check_num_sms(num_sms, sm_count: int, device) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def validated_config(config: GemmConfig, operands: Operands, epilogue: Epilogue = Epilogue.STORE) -> GemmConfig:
+def validated_config(config: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> GemmConfig:
     # configs are frozen: validate each one once per process
-    return check_config(config, operands, epilogue)
+    return check_config(config, fmt, epilogue)
 
 
 def check_tail_with_signals(config: GemmConfig, signals: bool) -> None:
@@ -325,7 +325,7 @@ def check_config_arg(config, fmt: Format, num_sms, signals: bool, combine: bool)
         if fmt.block_scaled:
             raise TypeError(f"config on an sm_100 GPU must be a flashgemm.Sm100Config or None ({fmt.value} "
                             "operands run on sm_100 / sm_103 only), got GemmConfig")
-        validated_config(config, Operands.FP8_BLOCK if fmt is Format.FP8_BLOCK128 else Operands.BF16,
+        validated_config(config, Format.FP8_BLOCK128 if fmt is Format.FP8_BLOCK128 else Format.BF16,
                          Epilogue.COMBINE if combine else Epilogue.STORE)
         check_tail_with_signals(config, signals)
         cluster = config.cluster_n

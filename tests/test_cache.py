@@ -11,16 +11,18 @@ import warnings
 
 import pytest
 
-from flashgemm.config import GemmConfig, KernelSpec, Operands
+from flashgemm.config import GemmConfig, KernelSpec
+from flashgemm.formats import Format
 from flashgemm.jit import cache, diskcache, key
 from flashgemm.sm90 import build as sm90_build
 from flashgemm.sm90.heuristic import reachable_specs
 
 # a kernel no other test compiles, so every process here starts cold
-SPEC = "KernelSpec(GemmConfig(tile_m=64, tile_n=64, stages=5), Operands.BF16)"
+SPEC = "KernelSpec(GemmConfig(tile_m=64, tile_n=64, stages=5), Format.BF16)"
 CHILD = f"""
 import json, sys
-from flashgemm.config import GemmConfig, KernelSpec, Operands
+from flashgemm.config import GemmConfig, KernelSpec
+from flashgemm.formats import Format
 from flashgemm.jit import cache, diskcache
 from flashgemm.sm90.build import get_kernel
 get_kernel({SPEC}, arch="sm_90a")
@@ -51,7 +53,8 @@ def _result(proc, keep_dsl_flag=False):
 # The kernel was compiled, never loaded, before: the second ask is a real load.
 REMOUNT_CHILD = f"""
 import json, os, subprocess, sys
-from flashgemm.config import GemmConfig, KernelSpec, Operands
+from flashgemm.config import GemmConfig, KernelSpec
+from flashgemm.formats import Format
 from flashgemm.jit import cache, diskcache
 from flashgemm.sm90.build import get_kernel
 directory, how = sys.argv[1], sys.argv[2]
@@ -263,7 +266,7 @@ def test_unusable_directory_falls_back_with_one_warning(tmp_path, monkeypatch):
 
 def test_two_threads_compile_a_new_key_once(monkeypatch):
     monkeypatch.setenv("FLASHGEMM_CACHE", "0")
-    spec = KernelSpec(GemmConfig(tile_m=64, tile_n=64, stages=6), Operands.BF16)
+    spec = KernelSpec(GemmConfig(tile_m=64, tile_n=64, stages=6), Format.BF16)
     before = cache.compile_count
     got = []
     threads = [threading.Thread(target=lambda: got.append(sm90_build.get_kernel(spec, arch="sm_90a")))
@@ -278,15 +281,15 @@ def test_two_threads_compile_a_new_key_once(monkeypatch):
 
 def test_key_covers_everything_that_changes_code(monkeypatch):
     cfg = GemmConfig(tile_m=64, tile_n=128)
-    spec = KernelSpec(cfg, Operands.BF16)
+    spec = KernelSpec(cfg, Format.BF16)
     k = key.cache_key("sm_90a", spec)
-    assert k == key.cache_key("sm_90a", KernelSpec(GemmConfig(tile_m=64, tile_n=128), Operands.BF16, None))
+    assert k == key.cache_key("sm_90a", KernelSpec(GemmConfig(tile_m=64, tile_n=128), Format.BF16, None))
     others = [
-        key.cache_key("sm_90a", KernelSpec(cfg.replace(stages=4), Operands.BF16)),
-        key.cache_key("sm_90a", KernelSpec(cfg, Operands.FP8_BLOCK)),
+        key.cache_key("sm_90a", KernelSpec(cfg.replace(stages=4), Format.BF16)),
+        key.cache_key("sm_90a", KernelSpec(cfg, Format.FP8_BLOCK128)),
         key.cache_key("sm_100a", spec),
-        key.cache_key("sm_90a", KernelSpec(cfg, Operands.BF16, "m_block")),
-        key.cache_key("sm_90a", KernelSpec(cfg, Operands.BF16, "expert")),
+        key.cache_key("sm_90a", KernelSpec(cfg, Format.BF16, "m_block")),
+        key.cache_key("sm_90a", KernelSpec(cfg, Format.BF16, "expert")),
         sm90_build.combine_key("sm_90a", 64, 4),
         sm90_build.combine_key("sm_90a", 128, 4),
         sm90_build.combine_key("sm_90a", 64, 8),
@@ -346,9 +349,9 @@ print(json.dumps({"compiles": cache.compile_count, "loads": diskcache.load_count
     got = json.loads(out.stdout.strip().splitlines()[-1])
     # the prefill tiles (bf16; fp8 192 and 128 wide), clusters of 2 and 1,
     # run their last round split: no signal builds of them
-    split = {(s.config, s.operands) for s in specs if s.config.tail.name == "SPLIT" and s.epilogue.name == "STORE"}
+    split = {(s.config, s.fmt) for s in specs if s.config.tail.name == "SPLIT" and s.epilogue.name == "STORE"}
     assert len(split) == 6
-    assert not any(s.signal_mode for s in specs if (s.config, s.operands) in split)
+    assert not any(s.signal_mode for s in specs if (s.config, s.fmt) in split)
     assert got == {"compiles": 0, "loads": total}
     assert len(specs) == 172 and block_ms == [64, 128, 192]
 

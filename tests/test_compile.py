@@ -6,7 +6,8 @@ import pytest
 
 from flashgemm.__main__ import ptx_features
 from flashgemm.kernels_cli import sm90_ok
-from flashgemm.config import Epilogue, GemmConfig, KernelSpec, Operands, Promotion, Staging, Tail, TileOrder
+from flashgemm.config import Epilogue, GemmConfig, KernelSpec, Promotion, Staging, Tail, TileOrder
+from flashgemm.formats import Format
 from flashgemm.jit import cache
 from flashgemm.jit.key import cache_key
 from flashgemm.sm90 import barriers
@@ -20,7 +21,7 @@ from flashgemm.sm90.heuristic import (
 )
 from flashgemm.sm90.limits import SMEM_BYTES, check_config, epi_bytes, resolved_stages, smem_bytes
 
-BF16, FP8 = Operands.BF16, Operands.FP8_BLOCK
+BF16, FP8 = Format.BF16, Format.FP8_BLOCK128
 # every configuration the heuristic can pick, once each (their signalled
 # builds are listed by the CLI test below)
 BF16_CONFIGS = tuple(dict.fromkeys(s.config for s in reachable_specs(BF16)))
@@ -215,7 +216,7 @@ def test_epi_whole_tile_staging(ptx, cfg, operands):
 
 
 def test_fp8_config_rules():
-    # (tile_k is no field any more: Operands.tile_k derives it, so no config
+    # (tile_k is no field any more: Format.tile_k derives it, so no config
     # can hold a K depth that does not match its operands)
     with pytest.raises(ValueError, match="<= 192 for fp8"):
         check_config(GemmConfig(tile_m=64, tile_n=256), FP8)
@@ -230,7 +231,7 @@ def test_fp8_config_rules():
     with pytest.raises(ValueError, match=r"config\.promotion must be a flashgemm\.Promotion"):
         check_config(GemmConfig(promotion=2), FP8)
     for spec in reachable_specs(FP8):
-        assert check_config(spec.config, FP8) is spec.config and spec.operands is FP8
+        assert check_config(spec.config, FP8) is spec.config and spec.fmt is FP8
 
 
 def test_balance_rounds_is_static_order_only():
@@ -242,7 +243,7 @@ def test_balance_rounds_is_static_order_only():
         if spec.epilogue.activates:  # (the fused SwiGLU widens the pick and keeps its tail)
             continue
         cfg = spec.config
-        fp8_prefill = spec.operands is FP8 and cfg.tile_n == 192
+        fp8_prefill = spec.fmt is FP8 and cfg.tile_n == 192
         want = cfg.tile_m == 128 and (cfg.tile_n == 128 or fp8_prefill) and cfg.tail is not Tail.SPLIT
         assert (cfg.tail is Tail.BALANCE) == want, spec.name()
 
@@ -296,7 +297,7 @@ def test_cli_compile_lists_every_kernel(cli_compile_listing):
     for spec in specs:
         _, _, feats = lines[spec.name()]
         assert "wgmma" in feats and "tma-load" in feats, spec.name()
-        assert ("fp8-wgmma" in feats) == (spec.operands is FP8), spec.name()
+        assert ("fp8-wgmma" in feats) == (spec.fmt is FP8), spec.name()
         # a signalled kernel publishes: bulk stores complete, proxy fence, release add
         assert ("signal-publish" in feats) == (spec.signal_mode is not None), spec.name()
         # the fused combine reduces its rows into the token rows and stores none

@@ -10,12 +10,12 @@ from flashgemm.config import (
     Epilogue,
     GemmConfig,
     KernelSpec,
-    Operands,
     Promotion,
     Staging,
     Tail,
     TileOrder,
 )
+from flashgemm.formats import Format
 from flashgemm.sm90.heuristic import (
     DECODE_128_CONFIG,
     DECODE_CONFIG,
@@ -29,7 +29,7 @@ from flashgemm.sm90.heuristic import (
 )
 from flashgemm.sm90.limits import SMEM_BYTES, check_config, resolved_stages, smem_bytes
 
-BF16, FP8 = Operands.BF16, Operands.FP8_BLOCK
+BF16, FP8 = Format.BF16, Format.FP8_BLOCK128
 BF16_SPECS = reachable_specs(BF16)
 FP8_SPECS = reachable_specs(FP8)
 # the configurations the heuristic can pick, each once (a spec adds the signal mode)
@@ -107,7 +107,7 @@ def test_config_derived_facts():
     """What the removed fields became: tile_k follows the operands, the
     consumer warpgroups follow tile_m, the enum fields answer the old flags."""
     assert (BF16.tile_k, FP8.tile_k) == (64, 128) and (BF16.elem_bytes, FP8.elem_bytes) == (2, 1)
-    assert BF16.value == "bf16" and FP8.value == "fp8e4m3"
+    assert BF16.value == "bf16" and FP8.value == "fp8_block128"
     assert GemmConfig().tile_mnk(BF16) == (128, 128, 64)
     assert GemmConfig(tile_m=64, tile_n=192).tile_mnk(FP8) == (64, 192, 128)
     for tile_m, wgs in ((64, 1), (128, 2), (192, 3)):
@@ -128,7 +128,7 @@ def test_config_derived_facts():
         with pytest.raises(TypeError):
             GemmConfig(**{removed: 1})
     spec = KernelSpec(GemmConfig(), FP8, "expert")
-    assert spec.name() == f"fp8e4m3-{GemmConfig().short_name()}-expert"
+    assert spec.name() == f"fp8_block128-{GemmConfig().short_name()}-expert"
     assert KernelSpec(GemmConfig(), BF16).name() == f"bf16-{GemmConfig().short_name()}-nosig"
 
 
@@ -262,7 +262,7 @@ def test_fp8_heuristic_regimes():
     # prefill tiles (not bf16's 128x256, not the mostly partial mid tiles)
     assert FP8_PREFILL_N128_CONFIG == FP8_PREFILL_CONFIG.replace(tile_n=128, promotion=Promotion.OVERLAPPED)
     whole = [s for s in reachable_specs() if s.config.staging is Staging.WHOLE_TILE]
-    assert {(s.config.tile_n, s.operands.tile_k) for s in whole} == {(192, 128), (128, 128)}
+    assert {(s.config.tile_n, s.fmt.tile_k) for s in whole} == {(192, 128), (128, 128)}
     assert all(s.config.tail is Tail.SPLIT or s.config.tail is Tail.BALANCE and not s.config.n_major
                for s in whole)
     # with signals the last round stays whole (a signal counts whole tiles)
@@ -393,8 +393,8 @@ def test_heuristic_sweep_yields_exactly_the_reachable_specs():
     extra = sorted(s.name() for s in got - want)
     assert not missing and not extra, (missing, extra)
     assert set(reachable_specs(BF16)) | set(reachable_specs(FP8)) == want
-    assert all(s.operands is BF16 for s in reachable_specs(BF16))
-    assert all(s.operands is FP8 for s in reachable_specs(FP8))
+    assert all(s.fmt is BF16 for s in reachable_specs(BF16))
+    assert all(s.fmt is FP8 for s in reachable_specs(FP8))
 
 
 def test_precompile_default_builds_exactly_the_reachable_specs(monkeypatch):
@@ -484,16 +484,17 @@ def test_benchmark_set_option_reads_fields(bench_script):
 
 def test_top_level_exports():
     import flashgemm
-    from flashgemm import config, signals, version
+    from flashgemm import config, formats, signals, version
 
-    names = {"GemmConfig", "KernelSpec", "Operands", "Promotion", "Staging", "Tail", "TileOrder",
+    names = {"GemmConfig", "KernelSpec", "Promotion", "Staging", "Tail", "TileOrder",
              "choose_config", "grouped_gemm_nt_masked", "signal_layout", "SignalLayout", "alloc_signals",
              "precompile", "reference", "__version__"}
     assert names <= set(flashgemm.__all__)
     for name in names:
         assert getattr(flashgemm, name) is not None, name
-    for name in ("GemmConfig", "KernelSpec", "Operands", "Promotion", "Staging", "Tail", "TileOrder"):
+    for name in ("GemmConfig", "KernelSpec", "Promotion", "Staging", "Tail", "TileOrder"):
         assert getattr(flashgemm, name) is getattr(config, name)
+    assert flashgemm.Format is formats.Format and not hasattr(flashgemm, "Operands")  # one format name
     assert flashgemm.SignalLayout is signals.SignalLayout and flashgemm.alloc_signals is signals.alloc_signals
     from flashgemm.api import grouped_gemm_nt_masked, signal_layout
 

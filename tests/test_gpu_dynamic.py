@@ -182,7 +182,7 @@ def test_full_grid_gemm_behind_a_resident_combine(dynamic, seed):
     the combine waits on tiles nobody computes and times out (checked here, so
     the test is known to build that situation); in the dynamic order the
     resident clusters claim every unit and the combine completes."""
-    from flashgemm.sm90.combine import ERR_TIMEOUT
+    from flashgemm.device.errors import ERR_TIMEOUT
     from flashgemm.overlap import combine_masked
     from test_gpu_signals import _reference_combine, _routing
 

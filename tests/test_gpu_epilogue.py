@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import flashgemm
-from flashgemm.config import GemmConfig, Operands, Promotion, Staging, Tail
+from flashgemm.config import GemmConfig, Promotion, Staging, Tail
+from flashgemm.formats import Format
 from flashgemm.sm90.heuristic import FP8_PREFILL_CONFIG, PREFILL_CONFIG
 
 from conftest import requires_hopper
@@ -31,7 +32,7 @@ pytestmark = requires_hopper
 MASKED = [256, 200, 0, 129, 1000, 1, 256, 70]
 MAX_M = 256
 
-BF16, FP8 = Operands.BF16, Operands.FP8_BLOCK
+BF16, FP8 = Format.BF16, Format.FP8_BLOCK128
 BF16_TILES = [
     GemmConfig(tile_m=128, tile_n=256, cluster_n=2),
     GemmConfig(tile_m=128, tile_n=128, cluster_n=1),

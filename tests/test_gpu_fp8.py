@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import flashgemm
-from flashgemm.config import GemmConfig, Operands, Promotion
+from flashgemm.config import GemmConfig, Promotion
+from flashgemm.formats import Format
 from flashgemm.jit import cache
 from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token
 from flashgemm.reference import grouped_gemm_nt_masked_ref, similarity
@@ -70,7 +71,7 @@ SHAPES = [
 ]
 
 # every fp8 configuration the heuristic can pick (once each), and others
-FP8_HEURISTIC_CONFIGS = tuple(dict.fromkeys(s.config for s in reachable_specs(Operands.FP8_BLOCK)))
+FP8_HEURISTIC_CONFIGS = tuple(dict.fromkeys(s.config for s in reachable_specs(Format.FP8_BLOCK128)))
 CONFIGS = FP8_HEURISTIC_CONFIGS + (
     GemmConfig(tile_m=128, tile_n=192),  # spans scale blocks
     # two part chains per k-tile, on one consumer warpgroup

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import flashgemm
-from flashgemm.config import GemmConfig, Operands
+from flashgemm.config import GemmConfig
+from flashgemm.formats import Format
 from flashgemm.jit import cache
 from flashgemm.reference import grouped_gemm_nt_masked_ref, relative_error
 from flashgemm.sm90.heuristic import reachable_specs
@@ -62,7 +63,7 @@ SHAPES = [
 
 
 # every bf16 configuration the heuristic can pick (once each), and others
-HEURISTIC_CONFIGS = tuple(dict.fromkeys(s.config for s in reachable_specs(Operands.BF16)))
+HEURISTIC_CONFIGS = tuple(dict.fromkeys(s.config for s in reachable_specs(Format.BF16)))
 CONFIGS = HEURISTIC_CONFIGS + (
     GemmConfig(tile_m=64, tile_n=256),
     GemmConfig(tile_m=128, tile_n=192),

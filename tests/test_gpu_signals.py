@@ -7,7 +7,7 @@ import torch
 
 import flashgemm
 from flashgemm.config import GemmConfig
-from flashgemm.sm90.combine import ERR_BAD_TOKEN, ERR_TIMEOUT
+from flashgemm.device.errors import ERR_BAD_ROUTE as ERR_BAD_TOKEN, ERR_TIMEOUT
 from flashgemm.sm90.heuristic import (
     DECODE_CONFIG, FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG, FP8_MID_CONFIG, MID_CONFIG,
 )

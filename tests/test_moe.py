@@ -10,7 +10,8 @@ import torch
 
 import flashgemm
 from flashgemm import Combine
-from flashgemm.config import Epilogue, KernelSpec, Operands, Staging
+from flashgemm.config import Epilogue, KernelSpec, Staging
+from flashgemm.formats import Format
 from flashgemm.moe.activation import build as build_activation
 from flashgemm.moe.activation import silu_mul, silu_mul_ref
 from flashgemm.moe.layer import MaskedExperts, moe_experts_ref
@@ -148,9 +149,9 @@ def test_activation_kernels_ptx(activation_ptx):
 
 
 @pytest.mark.parametrize("cfg, ops", [
-    (H.FP8_DECODE_CONFIG, Operands.FP8_BLOCK),
-    (H.FP8_MID_CONFIG, Operands.FP8_BLOCK),
-    (H.MID_192_CONFIG, Operands.BF16),
+    (H.FP8_DECODE_CONFIG, Format.FP8_BLOCK128),
+    (H.FP8_MID_CONFIG, Format.FP8_BLOCK128),
+    (H.MID_192_CONFIG, Format.BF16),
 ], ids=["fp8-decode", "fp8-mid", "bf16-192"])
 @pytest.mark.parametrize("epilogue", [Epilogue.COMBINE, Epilogue.COMBINE_BF16], ids=["fp32", "bf16"])
 def test_fused_combine_ptx(cfg, ops, epilogue):
@@ -334,9 +335,9 @@ def test_separate_activation_refuses_an_i_it_cannot_run_at_construction(fp8):
 
 
 @pytest.mark.parametrize("cfg, ops, epilogue", [
-    (H.FP8_DECODE_CONFIG, Operands.FP8_BLOCK, Epilogue.SWIGLU_FP8),
-    (H.FP8_MID_CONFIG, Operands.FP8_BLOCK, Epilogue.SWIGLU_FP8),
-    (H.MID_192_N128_CONFIG, Operands.BF16, Epilogue.SWIGLU_BF16),
+    (H.FP8_DECODE_CONFIG, Format.FP8_BLOCK128, Epilogue.SWIGLU_FP8),
+    (H.FP8_MID_CONFIG, Format.FP8_BLOCK128, Epilogue.SWIGLU_FP8),
+    (H.MID_192_N128_CONFIG, Format.BF16, Epilogue.SWIGLU_BF16),
 ], ids=["fp8-decode", "fp8-mid", "bf16-192"])
 def test_fused_swiglu_ptx(cfg, ops, epilogue):
     ptx = build(KernelSpec(cfg, ops, None, epilogue), "sm_90a", keep_ptx=True).__ptx__
@@ -366,9 +367,9 @@ def test_activation_config_rules():
     from flashgemm.sm90.limits import check_config
 
     with pytest.raises(ValueError, match="config.tile_n must be 128 with Epilogue.SWIGLU_FP8"):
-        check_config(H.FP8_DECODE_N64_CONFIG, Operands.FP8_BLOCK, Epilogue.SWIGLU_FP8)
+        check_config(H.FP8_DECODE_N64_CONFIG, Format.FP8_BLOCK128, Epilogue.SWIGLU_FP8)
     with pytest.raises(ValueError, match="needs fp8 operands and config.cluster_n=2"):
-        check_config(H.FP8_DECODE_CONFIG.replace(cluster_n=1), Operands.FP8_BLOCK, Epilogue.SWIGLU_FP8)
+        check_config(H.FP8_DECODE_CONFIG.replace(cluster_n=1), Format.FP8_BLOCK128, Epilogue.SWIGLU_FP8)
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])

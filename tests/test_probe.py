@@ -3,14 +3,15 @@ probe's transposed configs (CPU only)."""
 
 import pytest
 
-from flashgemm.config import Operands, Promotion, Staging, Tail
+from flashgemm.config import Promotion, Staging, Tail
+from flashgemm.formats import Format
 from flashgemm.sm90.limits import check_config
 
 
 @pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("tokens", [64, 128, 192])
 def test_transposed_config_is_a_valid_128_by_t_tile(probe_script, fp8, tokens):
-    cfg = check_config(probe_script.transposed_config(tokens, fp8), Operands.FP8_BLOCK if fp8 else Operands.BF16)
+    cfg = check_config(probe_script.transposed_config(tokens, fp8), Format.FP8_BLOCK128 if fp8 else Format.BF16)
     assert (cfg.tile_m, cfg.tile_n) == (128, tokens)
     # one n-block of tokens: a cluster along N would pair it with an empty one
     assert cfg.cluster_n == 1 and not cfg.l2_hints and cfg.tail is Tail.BALANCE

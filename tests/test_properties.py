@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import flashgemm
 from flashgemm import Combine, GemmConfig, Promotion, Sm100Config, Tail, TileOrder
 from flashgemm.blockscaled_args import blocked_scale_shape, validate_blockscaled_args
-from flashgemm.config import Epilogue, Operands
+from flashgemm.config import Epilogue
 from flashgemm.formats import Format
 from flashgemm.schedule.model import tile_order, valid_tiles
 from flashgemm.sm90.heuristic import reachable_specs
@@ -51,13 +51,13 @@ def cdiv(a: int, b: int) -> int:
 # ---------------------------------------------------------------------------
 
 _SM90_CONFIGS = {
-    Format.BF16: tuple(dict.fromkeys(s.config for s in reachable_specs(Operands.BF16))),
-    Format.FP8_BLOCK128: tuple(dict.fromkeys(s.config for s in reachable_specs(Operands.FP8_BLOCK))),
+    Format.BF16: tuple(dict.fromkeys(s.config for s in reachable_specs(Format.BF16))),
+    Format.FP8_BLOCK128: tuple(dict.fromkeys(s.config for s in reachable_specs(Format.FP8_BLOCK128))),
 }
 
 
 def _config_fits(cfg: GemmConfig, fmt: Format, num_sms, signals: bool, combine: bool) -> bool:
-    ops = Operands.FP8_BLOCK if fmt is Format.FP8_BLOCK128 else Operands.BF16
+    ops = Format.FP8_BLOCK128 if fmt is Format.FP8_BLOCK128 else Format.BF16
     try:
         check_config(cfg, ops, Epilogue.COMBINE if combine else Epilogue.STORE)
     except ValueError:

@@ -9,7 +9,8 @@ import torch
 
 from flashgemm import signal_layout
 from flashgemm.__main__ import ptx_features
-from flashgemm.config import GemmConfig, KernelSpec, Operands, Tail
+from flashgemm.config import GemmConfig, KernelSpec, Tail
+from flashgemm.formats import Format
 from flashgemm.schedule.model import tile_order
 from flashgemm.signals import make_signal_layout, validate_signals
 from flashgemm.sm90.epilogue import SIGNAL_STAGES
@@ -80,7 +81,7 @@ def test_signal_validation():
 
 @pytest.mark.parametrize("mode", ["m_block", "expert"])
 def test_ptx_publishes_with_release(mode, kernel_ptx):
-    ptx = kernel_ptx(KernelSpec(MID_CONFIG, Operands.BF16, mode))
+    ptx = kernel_ptx(KernelSpec(MID_CONFIG, Format.BF16, mode))
     assert "red.release.gpu.global.add.s32" in ptx
     # waits for the bulk stores to complete, not only to release shared memory
     assert re.search(r"cp\.async\.bulk\.wait_group\s", ptx)
@@ -88,7 +89,7 @@ def test_ptx_publishes_with_release(mode, kernel_ptx):
     # the release add is the only GPU-scope ordering: an extra fence.acq_rel.gpu
     # before it cost ~1% on the small decode cases (docs/signals.md)
     assert "fence.acq_rel.gpu" not in ptx
-    plain = kernel_ptx(KernelSpec(MID_CONFIG, Operands.BF16))
+    plain = kernel_ptx(KernelSpec(MID_CONFIG, Format.BF16))
     assert "red.release.gpu" not in plain
     # in order: the bulk stores complete, the proxy fence, the release add
     assert "signal-publish" in ptx_features(ptx) and "signal-publish" not in ptx_features(plain)
@@ -214,7 +215,7 @@ def test_signal_layout_needs_a_cuda_device_or_num_sms(monkeypatch):
 
 
 # the kernels read above (all of them are listed by the compile CLI too)
-PTX_SPECS = tuple(KernelSpec(MID_CONFIG, Operands.BF16, mode) for mode in (None, "m_block", "expert"))
+PTX_SPECS = tuple(KernelSpec(MID_CONFIG, Format.BF16, mode) for mode in (None, "m_block", "expert"))
 
 
 BAD_SIZES = [

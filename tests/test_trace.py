@@ -4,7 +4,8 @@ only trace builds carry the timer reads."""
 import random
 
 from flashgemm import trace
-from flashgemm.config import GemmConfig, KernelSpec, Operands
+from flashgemm.config import GemmConfig, KernelSpec
+from flashgemm.formats import Format
 from flashgemm.sm90.build import build
 
 
@@ -40,7 +41,7 @@ def test_timeline_keeps_at_most_max_tiles_per_cta():
 
 
 def test_only_trace_builds_read_the_timer():
-    spec = KernelSpec(GemmConfig(tile_m=64, tile_n=128, cluster_n=2), Operands.BF16)
+    spec = KernelSpec(GemmConfig(tile_m=64, tile_n=128, cluster_n=2), Format.BF16)
     plain = build(spec, arch="sm_90a", keep_ptx=True).__ptx__
     traced = build(spec, arch="sm_90a", keep_ptx=True, trace=True).__ptx__
     assert "globaltimer" not in plain

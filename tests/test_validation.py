@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import flashgemm
-from flashgemm.config import GemmConfig, Operands, Tail, TileOrder
+from flashgemm.config import GemmConfig, Tail, TileOrder
+from flashgemm.formats import Format
 from flashgemm.sm90.limits import SMEM_BYTES, check_config, resolved_stages, smem_bytes
 from flashgemm.validation import validate_args, validate_device
 
@@ -486,7 +487,7 @@ def test_public_unsupported_config_on_cpu():
 # sm90.limits.check_config (GemmConfig.check_fields and the sm_90a budget)
 # ---------------------------------------------------------------------------
 
-BF16_OPS, FP8_OPS = Operands.BF16, Operands.FP8_BLOCK
+BF16_OPS, FP8_OPS = Format.BF16, Format.FP8_BLOCK128
 
 
 @pytest.mark.parametrize(

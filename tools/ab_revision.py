@@ -56,7 +56,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "benchmarks")]
 import flashgemm  # noqa: E402
-from flashgemm.config import Operands  # noqa: E402
+
+from flashgemm.formats import Format  # noqa: E402
 from flashgemm.sm90.limits import check_config  # noqa: E402
 from common import (  # noqa: E402
     DISTRIBUTIONS, apply_changes, case_operands, draw_masked_m, load_cases, paired_median,
@@ -77,7 +78,7 @@ def tree_config(case, fp8, changes, num_sms=None, package=flashgemm):
     cfg = apply_changes(cfg, changes)
     if package is flashgemm:
         try:
-            check_config(cfg, Operands.FP8_BLOCK if fp8 else Operands.BF16)
+            check_config(cfg, Format.FP8_BLOCK128 if fp8 else Format.BF16)
         except ValueError as err:
             raise SystemExit(f"{case['name']} {'fp8' if fp8 else 'bf16'}: --set gives {cfg.short_name()}: {err}")
     return cfg

@@ -29,7 +29,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "benchmarks")]
 import flashgemm  # noqa: E402
-from flashgemm.config import GemmConfig, Operands, Promotion, Staging, Tail  # noqa: E402
+from flashgemm.config import GemmConfig, Promotion, Staging, Tail  # noqa: E402
+from flashgemm.formats import Format  # noqa: E402
 from flashgemm.sm90.limits import check_config  # noqa: E402
 from common import (  # noqa: E402
     DISTRIBUTIONS, case_operands, cases_by_name, draw_masked_m, host_us, paired_median, time_graph,
@@ -297,7 +298,7 @@ def swap_bound(args, error):
     quantization of different data; only the time counts.)"""
     cases = cases_by_name(args.cases, error)
     fp8 = args.dtype == "fp8"
-    operands = Operands.FP8_BLOCK if fp8 else Operands.BF16
+    operands = Format.FP8_BLOCK128 if fp8 else Format.BF16
     for t in args.tokens:
         try:
             check_config(transposed_config(t, fp8), operands)

@@ -25,13 +25,10 @@ from cutlass.experimental.primitives.nvvm_wrapper import nanosleep
 
 from ..schedule.warp_walk import lane_expert_items, pick_item
 from ..signals import check_rows_per_item
-from ..sm90.combine import wait_signal
+from ..device.errors import ERR_BAD_ROUTE, ERR_PEER_FAILED, ERR_PEER_TIMEOUT
+from ..device.signal_wait import wait_signal
 from .buffers import MAX_PEERS
 
-ERR_TIMEOUT = 1
-ERR_BAD_ROUTE = 2
-ERR_PEER_TIMEOUT = 4
-ERR_PEER_FAILED = 8
 COMBINE_THREADS = 1024
 WARPS = COMBINE_THREADS // 32
 CHUNK = 8  # bf16 elements per 16-byte load

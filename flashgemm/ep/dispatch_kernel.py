@@ -33,12 +33,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.experimental.primitives.nvvm_wrapper import nanosleep
 
-from ..moe.swiglu import FP8_MAX, MIN_AMAX
+from ..device.swiglu import FP8_MAX, MIN_AMAX
 from .buffers import MAX_PEERS
-from .combine_kernel import ERR_BAD_ROUTE, ERR_PEER_FAILED, ERR_PEER_TIMEOUT  # one error word for the layer
-
-ERR_OVERFLOW = 16
-ERR_SEQUENCE = 32
+# one error word for the layer
+from ..device.errors import ERR_BAD_ROUTE, ERR_OVERFLOW, ERR_PEER_FAILED, ERR_PEER_TIMEOUT, ERR_SEQUENCE
 THREADS = 512
 WARPS = THREADS // 32
 VEC = 16  # columns per lane: 32 bytes of bf16 in, 16 bytes of fp8 out

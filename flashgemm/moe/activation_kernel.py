@@ -16,7 +16,7 @@ from cutlass import Float32, Int32
 
 from ..schedule.walker import MaskedTileScheduler
 
-from .swiglu import FP8_MAX, MIN_AMAX, quantize, swiglu
+from ..device.swiglu import FP8_MAX, MIN_AMAX, quantize, swiglu
 
 THREADS = 256
 VEC = 8  # bf16 elements per 16-byte load

@@ -15,7 +15,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..config import SWIGLU_GRANULE, Epilogue, KernelSpec, Operands
+from ..config import SWIGLU_GRANULE, Epilogue, KernelSpec
+from ..formats import Format
 from ..jit.arch import device_facts
 from ..sm90.heuristic import choose_activation_config
 from ..sm90.limits import check_config
@@ -223,12 +224,12 @@ def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m,
     if fp8 and grid_cap < 2:
         raise ValueError(f"num_sms must be >= 2 for fp8 (the fused SwiGLU runs 2-CTA clusters), got {grid_cap}")
     config = choose_activation_config(expected_m, max_m, two_i, hidden, grid_cap, fp8, e_count)
-    operands = Operands.FP8_BLOCK if fp8 else Operands.BF16
+    fmt = Format.FP8_BLOCK128 if fp8 else Format.BF16
     epilogue = Epilogue.SWIGLU_FP8 if fp8 else Epilogue.SWIGLU_BF16
-    check_config(config, operands, epilogue)
+    check_config(config, fmt, epilogue)
     from ..sm90.build import get_kernel
 
-    fn = get_kernel(KernelSpec(config, operands, None, epilogue))
+    fn = get_kernel(KernelSpec(config, fmt, None, epilogue))
     if config.dynamic:
         from .. import workspace
 

@@ -19,16 +19,17 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils.layout import LayoutEnum
 
+from ..device.layout import batch_last
 from .blockwise_epilogue import PromoteEpilogue
 from .blockwise_roles import run_load_warp, run_mma_warp, tcgen05_fence
 from .blockwise_store import TileStoreWarp
+from .limits import SMEM_BYTES
 
 TILE_M = 128
 TILE_N = 128  # one weight scale covers the tile's columns
 SCALE_BLOCK = 128  # K per MMA k-block: one activation and one weight scale each
 ACC_STAGES = 4  # 128 fp32 TMEM columns each: the whole 512-column tensor memory
 TMEM_COLUMNS = ACC_STAGES * TILE_N
-SMEM_BYTES = 232448  # sm_100 / sm_103 shared memory per CTA (227 KiB)
 A_CHUNK = 32  # rows per TMA box of A: boxes past the tile's valid rows are skipped
 
 # warp roles (one CTA per SM)
@@ -38,11 +39,6 @@ LOAD_WARP = 5
 STORE_WARP = 6
 THREADS = 32 * 7
 EPILOGUE_THREADS = 32 * len(EPILOGUE_WARPS)
-
-
-def _batch_last(t: cute.Tensor) -> cute.Tensor:
-    """View a torch-ordered (E, X, Y) tensor as CuTe's (X, Y, E)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 2, 0]))
 
 
 def smem_bytes(stages: int) -> int:
@@ -191,9 +187,9 @@ class BlockwiseMaskedGemmSm100:
     ):
         tiled_mma = self._make_tiled_mma()
         self._make_layouts(tiled_mma)
-        mA_mkl, mB_nkl, mC_mnl = _batch_last(mA), _batch_last(mB), _batch_last(mC)
+        mA_mkl, mB_nkl, mC_mnl = batch_last(mA), batch_last(mB), batch_last(mC)
         # (max_m, K blocks, E): one TMA box is the tile's 128 rows of one k-block
-        mSFA_mkl = _batch_last(mSFA)
+        mSFA_mkl = batch_last(mSFA)
         cluster_vmnk = cute.make_layout((1, 1, 1, 1))
 
         a_box = cute.slice_(

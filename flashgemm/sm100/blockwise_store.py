@@ -28,9 +28,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
+from ..device.publish import publish_bulk_stored, release_add
 from .blockwise_roles import make_walker
 from .walk import signal_index
 
@@ -75,14 +75,12 @@ class TileStoreWarp:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                     handoff.consumer_release(h_state)
                     if cutlass.const_expr(self.signal_mode is not None):
-                        cute.arch.cp_async_bulk_wait_group(0, read=False)
-                        cute.arch.fence_proxy("async.global")
-                        self._release_add(work, num_m_slots)
+                        publish_bulk_stored(self._counter(work, num_m_slots))
             else:
                 if is_lane0:
                     handoff.consumer_release(h_state)
                     if cutlass.const_expr(self.signal_mode is not None):
-                        self._release_add(work, num_m_slots)
+                        release_add(self._counter(work, num_m_slots))
             h_state.advance()
             sched.advance()
             work = sched.work()
@@ -90,9 +88,6 @@ class TileStoreWarp:
         if is_lane0:
             cute.arch.cp_async_bulk_wait_group(0, read=False)
 
-    @cute.jit
-    def _release_add(self, work, num_m_slots):
+    def _counter(self, work, num_m_slots):
         # one CTA per 128-row tile: the sm_100 index with a CTA group of one
-        index = signal_index(self.signal_mode, work.expert, work.m_block, 0, 1, num_m_slots)
-        cute.arch.red(self.mSignals.iterator + index, Int32(1), op="add", dtype=cutlass.Int32,
-                      sem="release", scope="gpu")
+        return self.mSignals.iterator + signal_index(self.signal_mode, work.expert, work.m_block, 0, 1, num_m_slots)

@@ -27,7 +27,7 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from .limits import EPI_BUFFERS
-from .publish import publish_tile
+from ..device.publish import publish_tile
 from .walk import cta_rows, make_walker, signal_index
 
 

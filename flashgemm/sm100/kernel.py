@@ -15,17 +15,13 @@ import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
+from ..device.layout import batch_last
 from .config import Sm100Config
 from .limits import SMEM_BYTES
 from .roles import run_roles
 from .tiling import Tiling
 
 THREADS = 32 * 6  # warps 0-3 epilogue, 4 MMA, 5 TMA (roles.py)
-
-
-def _batch_last(t: cute.Tensor) -> cute.Tensor:
-    """View a torch-ordered (E, X, Y) tensor as CuTe's (X, Y, E)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 2, 0]))
 
 
 def _scale_layout(shape_mkl, vec: int):
@@ -104,7 +100,7 @@ class MaskedGroupedGemmSm100:
     ):
         tiling = Tiling(self.config, self.ab_dtype, self.sf_dtype, self.out_dtype).setup()
         self.tiling = tiling
-        mA_mkl, mB_nkl, mD_mnl = _batch_last(mA), _batch_last(mB), _batch_last(mD)
+        mA_mkl, mB_nkl, mD_mnl = batch_last(mA), batch_last(mB), batch_last(mD)
         tiled_mma, cl_vmnk = tiling.tiled_mma, tiling.cluster_layout_vmnk
         thr_id = tiled_mma.thr_id
 

@@ -34,7 +34,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..moe.swiglu import FP8_MAX, MIN_AMAX, swiglu
+from ..device.swiglu import FP8_MAX, MIN_AMAX, swiglu
 
 
 class ActTarget(NamedTuple):

@@ -31,7 +31,7 @@ OUT_DTYPE = "bf16"
 def _cutlass_dtype(name: str):
     import cutlass
 
-    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8e4m3": cutlass.Float8E4M3FN}[name]
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8_block128": cutlass.Float8E4M3FN}[name]
 
 
 def _fake_args(ab_dtype, out_dtype, sum_dtype=None):
@@ -109,9 +109,9 @@ def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, 
 
     from .kernel import MaskedGroupedGemmSm90
 
-    config, operands = spec.config, spec.operands
-    check_config(config, operands, spec.epilogue)
-    ab_t, out_t = _cutlass_dtype(operands.value), _cutlass_dtype(OUT_DTYPE)
+    config, fmt = spec.config, spec.fmt
+    check_config(config, fmt, spec.epilogue)
+    ab_t, out_t = _cutlass_dtype(fmt.value), _cutlass_dtype(OUT_DTYPE)
     gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, spec.signal_mode, trace=trace, epilogue=spec.epilogue)
     bf16_rows = spec.epilogue in (Epilogue.COMBINE_BF16, Epilogue.COMBINE_PEERS)
     a, b, d, masked_m, signals, sfa, sfb, routing = _fake_args(

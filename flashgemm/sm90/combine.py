@@ -1,16 +1,12 @@
 """Consumer side of the completion signals.
 
-* ``wait_signal``: a device helper for CuTe-DSL kernels: acquire-poll a counter
-  until it reaches a target, with exponential nanosleep back-off, giving up
-  after ``max_polls`` polls and raising a bit in an error word instead of
-  hanging the GPU.
-* ``MaskedCombineSm90``: the single-GPU stand-in for a DeepEP-style combine.
-  For each slice of valid rows, in the GEMM's (expert, m-block) order, it
-  waits until the m-block's counter reaches ``n_tiles`` and then scatter-adds
-  the rows into a token-major fp32 output:
-  ``combined[token_idx[e, r]] += weight[e, r] * out[e, r]``.
-  It runs concurrently with the GEMM, on the SMs the GEMM was told to leave
-  free (``num_sms``), which is the overlap the package exists for.
+``MaskedCombineSm90``, the single-GPU stand-in for a DeepEP-style combine.
+For each slice of valid rows, in the GEMM's (expert, m-block) order, it
+waits until the m-block's counter reaches ``n_tiles`` (``device.signal_wait``)
+and then scatter-adds the rows into a token-major fp32 output:
+``combined[token_idx[e, r]] += weight[e, r] * out[e, r]``. It runs
+concurrently with the GEMM, on the SMs the GEMM was told to leave free
+(``num_sms``), which is the overlap the package exists for.
 
 Error word bits: 1 = a wait timed out, 2 = a routing entry named a token
 outside ``[0, T)`` (that row was skipped).
@@ -20,20 +16,19 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Int32
+from cutlass import Int32
 from cutlass.experimental.primitives.nvvm_wrapper import (
     CpReduceOp,
     CpReduceType,
     cp_reduce_async_bulk_global_shared_cta,
-    nanosleep,
 )
 
+from ..device.errors import ERR_BAD_ROUTE
+from ..device.signal_wait import wait_signal
 from ..schedule.walker import MaskedTileScheduler
 from ..signals import check_rows_per_item
 from .barriers import COMBINE_TEAM_FIRST
 
-ERR_TIMEOUT = 1
-ERR_BAD_TOKEN = 2
 # One CTA per SM it is given (more would land on the GEMM's SMs), so it is
 # made as wide as a CTA can be: 1024 threads, each moving 16-byte chunks.
 COMBINE_THREADS = 1024
@@ -47,32 +42,6 @@ TEAM_WARPS = TEAM_THREADS // 32
 # fp32 in shared memory, double-buffered: 4 teams x 2 x 24 KiB.
 ROUNDS = 3
 GROUP_ELEMS = ROUNDS * TEAM_THREADS * CHUNK
-
-
-@cute.jit
-def wait_signal(counter: cute.Pointer, target: Int32, max_polls: Int32, err: cute.Pointer) -> Boolean:
-    """Spin until ``*counter >= target`` (GPU-scope acquire). On timeout, OR
-    ERR_TIMEOUT into ``*err`` and return False. Once any wait of the launch
-    has timed out (ERR_TIMEOUT in ``*err``), every other wait gives up at its
-    next poll: one poll budget for the launch, not one per work item. The
-    caller's later loads are ordered after the producer's release; a CTA
-    barrier after the wait extends that to the CTA's other threads. Back-off
-    32 ns doubling to 256 ns: the slack after the counter flips sits on the
-    critical path of the last m-block."""
-    value = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
-    given_up = cute.arch.load(err, Int32, sem="relaxed", scope="gpu") & Int32(ERR_TIMEOUT)
-    polls = Int32(0)
-    backoff = Int32(32)
-    while (value < target) & (polls < max_polls) & (given_up == 0):
-        nanosleep(backoff)
-        backoff = cutlass.min(backoff * 2, Int32(256))
-        polls = polls + 1
-        value = cute.arch.load(counter, Int32, sem="acquire", scope="gpu")
-        given_up = cute.arch.load(err, Int32, sem="relaxed", scope="gpu") & Int32(ERR_TIMEOUT)
-    ok = value >= target
-    if not ok:
-        cute.arch.atomic_or(err, Int32(ERR_TIMEOUT))
-    return ok
 
 
 class MaskedCombineSm90:
@@ -227,7 +196,7 @@ class MaskedCombineSm90:
                                     type=CpReduceType.F32,
                                 )
                             else:
-                                cute.arch.atomic_or(mErr.iterator, Int32(ERR_BAD_TOKEN))
+                                cute.arch.atomic_or(mErr.iterator, Int32(ERR_BAD_ROUTE))
                         cute.arch.cp_async_bulk_commit_group()
                         # the other buffer's reductions (one group ago) have
                         # read it before anyone stages the next group there

@@ -69,7 +69,7 @@ class Consumer:
         # the k-loop's wgmma and fragments: the tile's, or one part's width
         # with Promotion.TWO_PARTS
         mma_k, tCrA_k, tCrB_k = tiled_mma, tCrA, tCrB
-        if cutlass.const_expr(self.shape.block_scaled):
+        if cutlass.const_expr(self.shape.blockwise):
             if cutlass.const_expr(self.config.promotion is Promotion.TWO_PARTS):
                 (mma_k, tCrA_k, tCrB_k), products = self.part_width_mma(smem.sA, smem.sB, warp_group_idx)
             else:
@@ -130,7 +130,7 @@ class Consumer:
     def consume(self, mma: KTileMma, accumulators, products, k_tile_cnt, read_state, release_state, work):
         """One tile's mainloop on this warpgroup; returns (read_state,
         release_state) (the block-scaled loop keeps no separate release state)."""
-        if cutlass.const_expr(self.shape.block_scaled):
+        if cutlass.const_expr(self.shape.blockwise):
             read_state = consume_tile_blockscaled(
                 mma, read_state, accumulators, products, k_tile_cnt, work.n_block, self.tile_mnk[1],
                 self.config.promotion, self.shape.weight_scale_rows,

@@ -38,6 +38,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Int64
 from cutlass.tensor_utils.layout import LayoutEnum
 
+from ..device.errors import ERR_BAD_ROUTE
 from .act_epilogue import SwigluEpilogue
 
 # stages of the partial-tile signal handoff (consumers -> store warp): with
@@ -64,11 +65,10 @@ class CombineTarget(NamedTuple):
     # (T, N) fp32 or bf16, contiguous: reduce-added into; with mPeers this
     # rank's (R, N) bf16 receive buffer, the shape of every rank's
     mCombined: cute.Tensor
-    mErr: cute.Tensor  # (1,) int32 error word: ERR_BAD_TOKEN for a token outside [0, T) / [0, W * R)
+    mErr: cute.Tensor  # (1,) int32 error word: ERR_BAD_ROUTE for a token outside [0, T) / [0, W * R)
     mPeers: cute.Tensor = None  # COMBINE_PEERS: (W,) int64, each rank's receive-buffer address
 
 
-ERR_BAD_TOKEN = 2  # (the bit the reference combine uses too)
 
 
 class TileEpilogue(_NoLoopState):
@@ -246,7 +246,7 @@ class TileEpilogue(_NoLoopState):
         in L2, in no fixed order): an fp32 output takes two
         ``red.global.add.v4.f32``, a bf16 one the piece rounded to bf16 in one
         ``red.global.add.noftz.v4.bf16x2`` (half the bytes; docs/design.md).
-        A token outside [0, T) sets ERR_BAD_TOKEN and its row is skipped.
+        A token outside [0, T) sets ERR_BAD_ROUTE and its row is skipped.
 
         ``Epilogue.COMBINE_PEERS`` (``target.mPeers``, expert parallelism):
         the token is the flat destination owner * R + row (R: the rows of
@@ -254,7 +254,7 @@ class TileEpilogue(_NoLoopState):
         leaves in one plain 16-byte store (``st.global.v4.b32``, no reduction)
         to ``mPeers[owner] + (row * N + col) * 2`` bytes: the owner's receive
         buffer, over NVLink for another GPU. A destination outside
-        [0, W * R) sets ERR_BAD_TOKEN and its row is skipped."""
+        [0, W * R) sets ERR_BAD_ROUTE and its row is skipped."""
         target = self.combine
         peer_stores = target.mPeers is not None
         n_rem = n_total - n_block * self.tile_mn[1]
@@ -322,7 +322,7 @@ class TileEpilogue(_NoLoopState):
                                         cute.arch.red(dst + 4 * h, quad.ir_value(), op="add", dtype="f32",
                                                       sem="relaxed", scope="gpu")
                         else:
-                            cute.arch.atomic_or(target.mErr.iterator, Int32(ERR_BAD_TOKEN))
+                            cute.arch.atomic_or(target.mErr.iterator, Int32(ERR_BAD_ROUTE))
             self.consumer_barrier.arrive_and_wait()  # buffer 0 read: free again
 
 

@@ -19,12 +19,12 @@ from ..config import (
     Epilogue,
     GemmConfig,
     KernelSpec,
-    Operands,
     Promotion,
     Staging,
     Tail,
     TileOrder,
 )
+from ..formats import Format
 
 A_CHUNK_ROWS = 32
 # the fused combine's builds: fp32 and bf16 sums, and bf16 rows stored into
@@ -187,8 +187,8 @@ FP8_REGIMES = (
 )
 
 
-def regimes(operands: Operands):
-    return FP8_REGIMES if operands is Operands.FP8_BLOCK else BF16_REGIMES
+def regimes(fmt: Format):
+    return FP8_REGIMES if fmt is Format.FP8_BLOCK128 else BF16_REGIMES
 
 
 def _fp8_hint(cfg: GemmConfig, f: Facts) -> bool:
@@ -237,8 +237,8 @@ def choose_config(
     combine (any of ``COMBINES``: the target does not change the pick)."""
     m = max_m if expected_m is None else max(1, min(int(expected_m), max_m))
     facts = Facts(m, n, k, num_sms, num_experts)
-    operands = Operands.FP8_BLOCK if fp8 else Operands.BF16
-    regime = next(r for r in regimes(operands) if m <= r.up_to_m)
+    fmt = Format.FP8_BLOCK128 if fp8 else Format.BF16
+    regime = next(r for r in regimes(fmt) if m <= r.up_to_m)
     cfg = regime.pick(facts)
     hint = fp8 and _fp8_hint(cfg, facts)
     return _finish(cfg, fp8, hint, signals and not combine, num_sms < cfg.cluster_n, combine)
@@ -268,14 +268,14 @@ def choose_activation_config(
     return activation_config(cfg, fp8)
 
 
-def reachable_specs(operands: Optional[Operands] = None) -> tuple[KernelSpec, ...]:
+def reachable_specs(fmt: Optional[Format] = None) -> tuple[KernelSpec, ...]:
     """Every kernel ``choose_config`` can pick, with the signal modes each
     can be launched with, the fused-SwiGLU builds (``choose_activation_config``)
     and the fused-combine builds (tests sweep the
     heuristic to show the sets equal)."""
     specs = []
-    for ops in [operands] if operands else list(Operands):
-        fp8 = ops is Operands.FP8_BLOCK
+    for ops in [fmt] if fmt else [Format.BF16, Format.FP8_BLOCK128]:
+        fp8 = ops is Format.FP8_BLOCK128
         lower = 1
         for regime in regimes(ops):
             for cfg in dict.fromkeys(c for c in (regime.config, regime.alternative) if c):

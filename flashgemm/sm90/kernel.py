@@ -14,7 +14,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
 from cutlass.tensor_utils.layout import LayoutEnum
 
-from ..config import FP8_SLOT_WEIGHT_SCALES, Epilogue, GemmConfig, Operands, Staging, Tail, TileOrder
+from ..config import FP8_SLOT_WEIGHT_SCALES, Epilogue, GemmConfig, Staging, Tail, TileOrder
+from ..formats import Format
+from ..device.layout import batch_last
 from ..schedule.dynamic import FEED_STAGES, TileFeed, reader_warps
 from .. import trace as tr
 from . import barriers
@@ -26,11 +28,6 @@ from .storage import shared_storage
 from .producer import Producer, ProducerLoads
 from .storer import TileStorer, run_store_warp
 from .walk import BalanceSlot, KernelShape, ProducerClaims, WalkArgs
-
-
-def _batch_last(t: cute.Tensor) -> cute.Tensor:
-    """View a torch-ordered (E, X, Y) tensor as CuTe's (X, Y, E)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 2, 0]))
 
 
 class MaskedGroupedGemmSm90:
@@ -106,9 +103,9 @@ class MaskedGroupedGemmSm90:
         self.ab_dtype = ab_dtype
         self.out_dtype = out_dtype
         self.acc_dtype = cutlass.Float32
-        operands = Operands.FP8_BLOCK if ab_dtype.width == 8 else Operands.BF16
-        self.tile_mnk = config.tile_mnk(operands)
-        self.stages = resolved_stages(config, operands, epilogue)
+        fmt = Format.FP8_BLOCK128 if ab_dtype.width == 8 else Format.BF16
+        self.tile_mnk = config.tile_mnk(fmt)
+        self.stages = resolved_stages(config, fmt, epilogue)
         self.epi_stages = config.epi_buffers
         self.num_consumer_wg = config.consumer_warpgroups
         self.num_consumer_threads = 128 * self.num_consumer_wg
@@ -116,10 +113,10 @@ class MaskedGroupedGemmSm90:
         self.cluster_n = config.cluster_n
         self.a_chunk = config.a_chunk_rows
         # 8-bit operands are the block-scaled fp8 recipe (a_scale, b_scale)
-        self.block_scaled = operands is Operands.FP8_BLOCK
+        self.blockwise = fmt is Format.FP8_BLOCK128
         # the fused fp8 SwiGLU exchanges row maxima with its cluster peer (act_epilogue)
         self.row_max_exchange = epilogue is Epilogue.SWIGLU_FP8
-        shape = KernelShape(config, self.tile_mnk, self.stages, ab_dtype, self.acc_dtype, self.block_scaled,
+        shape = KernelShape(config, self.tile_mnk, self.stages, ab_dtype, self.acc_dtype, self.blockwise,
                             64 if self.row_max_exchange else 128)
         self.producer = Producer(shape)
         self.consumer = Consumer(shape, self._make_tiled_mma)
@@ -180,7 +177,7 @@ class MaskedGroupedGemmSm90:
     def _shared_storage(self):
         return shared_storage(self.config, self.ab_dtype, self.out_dtype, self.stages, self.a_smem_layout,
                               self.b_smem_layout, self.d_smem_layout, self._sfa_smem_layout(),
-                              self._sfb_smem_layout(), self.block_scaled, self.row_max_exchange)
+                              self._sfb_smem_layout(), self.blockwise, self.row_max_exchange)
 
     @cute.jit
     def __call__(
@@ -203,14 +200,14 @@ class MaskedGroupedGemmSm90:
         stream,
     ):
         self._make_layouts()
-        mA_mkl = _batch_last(mA)
-        mB_nkl = _batch_last(mB)
-        mD_mnl = None if mD is None else _batch_last(mD)
+        mA_mkl = batch_last(mA)
+        mB_nkl = batch_last(mB)
+        mD_mnl = None if mD is None else batch_last(mD)
         tma_atom_sfa, mSFA_tma, mSFB_nkl = None, None, None
-        if cutlass.const_expr(self.block_scaled):
+        if cutlass.const_expr(self.blockwise):
             tma_atom_sfa, mSFA_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
-                _batch_last(mSFA),
+                batch_last(mSFA),
                 cute.slice_(self._sfa_smem_layout(), (None, None, 0)),
                 (self.tile_mnk[0], 1),
             )
@@ -304,7 +301,7 @@ class MaskedGroupedGemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
             if cutlass.const_expr(tma_atom_d is not None):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_d)
-            if cutlass.const_expr(self.block_scaled):
+            if cutlass.const_expr(self.blockwise):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_sfa)
 
         smem = cutlass.memory.SmemAllocator()
@@ -314,7 +311,7 @@ class MaskedGroupedGemmSm90:
         tma_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0)))
         if cutlass.const_expr(self.a_chunk == 0):
             tma_bytes += cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0)))
-        if cutlass.const_expr(self.block_scaled):
+        if cutlass.const_expr(self.blockwise):
             tma_bytes += self.tile_mnk[0] * 4  # the tile's activation scales
         # Every consumer warp arrives on the empty barrier of each CTA whose
         # producer wrote into the slot: itself, plus the peer that multicast
@@ -323,7 +320,7 @@ class MaskedGroupedGemmSm90:
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_mbar.data_ptr(),
             num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 if self.block_scaled else 1),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 if self.blockwise else 1),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, self.cluster_n * self.num_consumer_wg * 4
             ),
@@ -396,8 +393,8 @@ class MaskedGroupedGemmSm90:
             tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
         sSFA, tSFAsSFA, tSFAgSFA, mSFB_nkl, sSFB = None, None, None, None, None
-        if cutlass.const_expr(self.block_scaled):
-            mSFB_nkl = _batch_last(mSFB)
+        if cutlass.const_expr(self.blockwise):
+            mSFB_nkl = batch_last(mSFB)
             sSFA = storage.sSFA.get_tensor(self._sfa_smem_layout())
             sSFB = storage.sSFB.get_tensor(self._sfb_smem_layout())
             # (BM, 1, RestM, K/128, E): every CTA loads its own tile's scales

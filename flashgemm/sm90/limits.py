@@ -8,8 +8,9 @@ same numbers the kernel's shared storage uses.
 from __future__ import annotations
 
 from ..config import (
-    FP8_SLOT_WEIGHT_SCALES, SWIGLU_TILE_N, Epilogue, GemmConfig, Operands, Promotion, Staging, Tail,
+    FP8_SLOT_WEIGHT_SCALES, SWIGLU_TILE_N, Epilogue, GemmConfig, Promotion, Staging, Tail,
 )
+from ..formats import Format
 
 # 227 KiB of dynamic shared memory per CTA (the sm_90 opt-in limit).
 SMEM_BYTES = 232448
@@ -30,11 +31,11 @@ def consumer_regs(num_consumer_wg: int) -> int:
     return min(232, per_consumer // 8 * 8)
 
 
-def stage_bytes(cfg: GemmConfig, operands: Operands) -> int:
+def stage_bytes(cfg: GemmConfig, fmt: Format) -> int:
     """One ring slot: the A and B k-tiles, and for fp8 the tile's fp32 row
     scales and its weight scales."""
-    operand_bytes = (cfg.tile_m + cfg.tile_n) * operands.tile_k * operands.elem_bytes
-    if operands is Operands.FP8_BLOCK:
+    operand_bytes = (cfg.tile_m + cfg.tile_n) * fmt.tile_k * fmt.elem_bytes
+    if fmt is Format.FP8_BLOCK128:
         operand_bytes += (cfg.tile_m + FP8_SLOT_WEIGHT_SCALES) * 4
     return operand_bytes
 
@@ -50,30 +51,30 @@ def epi_bytes(cfg: GemmConfig, epilogue: Epilogue = Epilogue.STORE) -> int:
     return staging
 
 
-def resolved_stages(cfg: GemmConfig, operands: Operands, epilogue: Epilogue = Epilogue.STORE) -> int:
+def resolved_stages(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> int:
     """Stages actually used: the explicit count, or as many as fit."""
     if cfg.stages:
         return cfg.stages
     free = SMEM_BYTES - SMEM_RESERVED_BYTES - epi_bytes(cfg, epilogue)
-    return max(free // stage_bytes(cfg, operands), 0)
+    return max(free // stage_bytes(cfg, fmt), 0)
 
 
-def smem_bytes(cfg: GemmConfig, operands: Operands, epilogue: Epilogue = Epilogue.STORE) -> int:
-    return (SMEM_RESERVED_BYTES + resolved_stages(cfg, operands, epilogue) * stage_bytes(cfg, operands)
+def smem_bytes(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> int:
+    return (SMEM_RESERVED_BYTES + resolved_stages(cfg, fmt, epilogue) * stage_bytes(cfg, fmt)
             + epi_bytes(cfg, epilogue))
 
 
-def check_config(cfg: GemmConfig, operands: Operands, epilogue: Epilogue = Epilogue.STORE) -> GemmConfig:
+def check_config(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> GemmConfig:
     """Raise ValueError naming the field if ``cfg`` cannot be built for sm_90a."""
     if not isinstance(cfg, GemmConfig):
         raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(cfg).__name__}")
-    cfg.check_fields(operands)
-    fp8 = operands is Operands.FP8_BLOCK
+    cfg.check_fields(fmt)
+    fp8 = fmt is Format.FP8_BLOCK128
     if cfg.consumer_warpgroups == 3 and cfg.tile_n > (64 if fp8 else 128):
         # 512 threads share 64K registers: 152 per consumer thread
         raise ValueError(
             f"config.tile_n must be <= {64 if fp8 else 128} with tile_m=192 (three consumer "
-            f"warpgroups) for {operands.value}, got {cfg.tile_n}"
+            f"warpgroups) for {fmt.value}, got {cfg.tile_n}"
         )
     if fp8 and cfg.tile_n > 192:
         # the running sum and one k-block's products: tile_n fp32 registers per thread
@@ -85,19 +86,19 @@ def check_config(cfg: GemmConfig, operands: Operands, epilogue: Epilogue = Epilo
         raise ValueError("config.staging must be Staging.PAIR with the fused combine "
                          f"(its rows are staged sub-tile by sub-tile), got {cfg.staging.name}")
     if epilogue.activates:
-        check_activation_config(cfg, operands, epilogue)
-    n_stages = resolved_stages(cfg, operands, epilogue)
+        check_activation_config(cfg, fmt, epilogue)
+    n_stages = resolved_stages(cfg, fmt, epilogue)
     if n_stages < 2:
         raise ValueError(f"config needs at least 2 pipeline stages; {n_stages} fit in shared memory")
-    if smem_bytes(cfg, operands, epilogue) > SMEM_BYTES:
+    if smem_bytes(cfg, fmt, epilogue) > SMEM_BYTES:
         raise ValueError(
-            f"config uses {smem_bytes(cfg, operands, epilogue)} bytes of shared memory; sm_90 allows "
+            f"config uses {smem_bytes(cfg, fmt, epilogue)} bytes of shared memory; sm_90 allows "
             f"{SMEM_BYTES} (lower config.stages)"
         )
     return cfg
 
 
-def check_activation_config(cfg: GemmConfig, operands: Operands, epilogue: Epilogue) -> None:
+def check_activation_config(cfg: GemmConfig, fmt: Format, epilogue: Epilogue) -> None:
     """The fused SwiGLU's tile: SWIGLU_TILE_N wide (the interleaved w13's gate
     and up groups), every tile whole on one CTA, and for fp8 a 2-CTA cluster
     whose pair holds one 128-column scale block of h."""
@@ -106,6 +107,6 @@ def check_activation_config(cfg: GemmConfig, operands: Operands, epilogue: Epilo
                          f"up group of the interleaved w13 per tile), got {cfg.tile_n}")
     if cfg.tail is Tail.SPLIT:
         raise ValueError(f"config.tail must not be SPLIT with Epilogue.{epilogue.name} (a tile's rows stay on one CTA)")
-    if epilogue is Epilogue.SWIGLU_FP8 and (cfg.cluster_n != 2 or operands is not Operands.FP8_BLOCK):
+    if epilogue is Epilogue.SWIGLU_FP8 and (cfg.cluster_n != 2 or fmt is not Format.FP8_BLOCK128):
         raise ValueError("Epilogue.SWIGLU_FP8 needs fp8 operands and config.cluster_n=2 (the pair's 128 h "
-                         f"columns share each row's scale), got {operands.value}, cluster_n={cfg.cluster_n}")
+                         f"columns share each row's scale), got {fmt.value}, cluster_n={cfg.cluster_n}")

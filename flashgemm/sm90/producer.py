@@ -79,7 +79,7 @@ class Producer:
             tBgB_k = loads.tBgB[(None, work.n_block, None, work.expert)]
             tSFAgSFA_k, sfb_k = None, None
             slot_tx = None if cutlass.const_expr(a_tx is None) else tma_bytes + a_tx
-            if cutlass.const_expr(self.shape.block_scaled):
+            if cutlass.const_expr(self.shape.blockwise):
                 tSFAgSFA_k = loads.tSFAgSFA[(None, work.m_block, None, work.expert)]
                 sfb_k = self.weight_scales_over_k(loads.mSFB_nkl, work)
                 if cutlass.const_expr(a_tx is None):

@@ -13,15 +13,15 @@ from .epilogue import SIGNAL_STAGES
 
 
 def shared_storage(config: GemmConfig, ab, out, stages, a_layout, b_layout, d_layout, sfa_layout, sfb_layout,
-                   block_scaled: bool, row_max_exchange: bool = False):
+                   blockwise: bool, row_max_exchange: bool = False):
     """The ring (A, B and their mbarriers; for fp8 the slots' scales), the
     output staging, the signal handoff's mbarriers, and what the balance
     rule, the dynamic order and the fused fp8 SwiGLU's row-maximum exchange
     (``act_epilogue``) add."""
     a_size, b_size = cute.cosize(a_layout), cute.cosize(b_layout)
     d_size = cute.cosize(d_layout)
-    sfa_size = cute.cosize(sfa_layout) if block_scaled else 4
-    sfb_size = cute.cosize(sfb_layout) if block_scaled else 4
+    sfa_size = cute.cosize(sfa_layout) if blockwise else 4
+    sfb_size = cute.cosize(sfb_layout) if blockwise else 4
     fields = {  # (built explicitly: annotations are strings under postponed evaluation)
         "ab_mbar": cute.struct.MemRange[cutlass.Int64, stages * 2],
         "sig_mbar": cute.struct.MemRange[cutlass.Int64, SIGNAL_STAGES * 2],

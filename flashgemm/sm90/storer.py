@@ -26,6 +26,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32
 
 from .. import trace as tr
+from ..device.publish import release_add
 from .epilogue import SIGNAL_STAGES, _NoLoopState, epi_tile_count, tile_rows
 from .walk import start_walk, to_next_unit
 
@@ -79,29 +80,19 @@ class TileStorer(_NoLoopState):
                 if self.is_lane0:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.fence_proxy("async.global")
-                    self._release_add(signal_index, mSignals)
+                    if signal_index >= 0:
+                        release_add(mSignals.iterator + signal_index)
         else:
             if cutlass.const_expr(sig_pipeline is not None):
                 next_state = sig_state.clone()
                 sig_pipeline.consumer_wait(next_state)  # every consumer's stores issued
                 if self.is_lane0:
                     sig_pipeline.consumer_release(next_state)
-                    self._release_add(signal_index, mSignals)
+                    if signal_index >= 0:
+                        release_add(mSignals.iterator + signal_index)
                 next_state.advance()
                 sig_state = next_state
         return sig_state
-
-    @cute.jit
-    def _release_add(self, signal_index: Int32, mSignals: cute.Tensor):
-        if signal_index >= 0:
-            cute.arch.red(
-                mSignals.iterator + signal_index,
-                Int32(1),
-                op="add",
-                dtype=cutlass.Int32,
-                sem="release",
-                scope="gpu",
-            )
 
     def _partition(self, expert: Int32, m_block: Int32, n_block: Int32, box: tuple):
         """(staging buffers, the tile's boxes in global memory) for bulk stores

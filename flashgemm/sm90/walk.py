@@ -26,7 +26,7 @@ class KernelShape(NamedTuple):
     stages: int
     ab_dtype: object  # cutlass dtype of A and B
     acc_dtype: object
-    block_scaled: bool  # 8-bit operands: the block-scaled fp8 recipe
+    blockwise: bool  # 8-bit operands: the block-scaled fp8 recipe
     # rows of N per weight scale: 128, or 64 for the fused SwiGLU's interleaved
     # w13 (a tile's gate and up groups come from two 128-row blocks)
     weight_scale_rows: int = 128

@@ -1,5 +1,5 @@
 """The SwiGLU arithmetic on the device, shared by the activation kernel and
-the gate_up epilogue that fuses it (``sm90.act_epilogue``), so both paths
+the gate_up epilogues that fuse it, so both paths
 give bit-identical h: ``h = (g * u) * rcp(1 + exp(-g))`` in fp32, and the fp8
 values ``h * (1 / scale)`` with ``scale = max(amax, MIN_AMAX) / FP8_MAX``.
 Reciprocals instead of divisions: a full-precision division per element
