@@ -51,7 +51,9 @@ def main():
     out = torch.empty(e, m, n, device="cuda", dtype=torch.bfloat16)
     mm = torch.full((e,), 32, device="cuda", dtype=torch.int32)
     fn = get_kernel(SPEC)
-    plan = api._make_plan(a, b, out, mm, None, None, None, None, DECODE_CONFIG, None, "m_block")
+    call = api.CallArgs(a, b, out, mm, config=DECODE_CONFIG)
+    plan = api._make_plan(call)
+    named = call.tensors()
     # the dynamic order's claim counter (DECODE_CONFIG claims its tiles)
     counter = workspace.claim_counter(torch.cuda.current_device()) if DECODE_CONFIG.dynamic else None
     rows = {
@@ -61,10 +63,8 @@ def main():
         "  the same, heuristic (expected_m=32)": lambda: flashgemm.grouped_gemm_nt_masked(
             a, b, out, mm, expected_m=32
         ),
-        "  first call of a signature: all checks": lambda: api._make_plan(
-            a, b, out, mm, None, None, None, None, DECODE_CONFIG, None, "m_block"
-        ),
-        "  later calls: pointer checks": lambda: plan.pointers_ok(a, b, mm, out, None, None, None),
+        "  first call of a signature: all checks": lambda: api._make_plan(call),
+        "  later calls: pointer checks": lambda: plan.pointers_ok(named),
         "  get_kernel (cache hit)": lambda: get_kernel(SPEC),
         "  compiled fn call (DSL wrapper)": lambda: fn(a, b, out, mm, None, None, None, counter, *NO_EXTRAS, plan.num_ctas),
         "  compiled fn call (TVM-FFI function)": lambda: plan.fn(

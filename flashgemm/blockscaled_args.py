@@ -28,10 +28,9 @@ import torch
 
 from .formats import Format
 from .validation import (
-    _check_no_self_overlap, _check_tensor, _check_tma_operand, check_expert_dims, check_masked_m, check_no_alias,
+    FP8, _check_no_self_overlap, check_tensor, _check_tma_operand, check_expert_dims, check_masked_m, check_no_alias,
 )
 
-_FP8 = torch.float8_e4m3fn
 _E8M0 = torch.float8_e8m0fnu
 _FP4_BYTES = (torch.uint8, torch.float4_e2m1fn_x2)  # two e2m1 codes per byte along K
 _MX_SCALE_DTYPES = (_E8M0, torch.uint8)
@@ -45,7 +44,7 @@ def infer_format(a, a_scale) -> Format:
     dtype = getattr(a, "dtype", None)
     if dtype in _FP4_BYTES:
         return Format.NVFP4
-    if dtype != _FP8:
+    if dtype != FP8:
         return Format.BF16
     sdtype = getattr(a_scale, "dtype", None)
     if sdtype is None or sdtype == torch.float32:
@@ -70,14 +69,14 @@ def blocked_scale_shape(fmt: Format, num_experts: int, rows: int, k: int) -> tup
 
 
 def _scale_dtypes(fmt: Format) -> tuple:
-    return _MX_SCALE_DTYPES if fmt is Format.MXFP8 else (_FP8,)
+    return _MX_SCALE_DTYPES if fmt is Format.MXFP8 else (FP8,)
 
 
 def _check_scale(name: str, t, fmt: Format, want: tuple, rows_name: str) -> None:
     if t is None:
         raise ValueError(f"{fmt.value} operands need {name}: blocked scales of shape {want} "
                          f"(flashgemm.blockscale.to_blocked_scales); got None")
-    _check_tensor(name, t, 6, _scale_dtypes(fmt))
+    check_tensor(name, t, 6, _scale_dtypes(fmt))
     if tuple(t.shape) != want:
         raise ValueError(
             f"{name} must have shape (E, ceil({rows_name}/128), ceil(K/{fmt.sf_vec_size}/4), 32, 4, 4) "
@@ -104,7 +103,7 @@ def check_alpha(fmt: Format, alpha, num_experts: int) -> None:
             "NVFP4 operands need alpha: float32 [E] = 1 / (g_a * g_b) of the global scales "
             "(flashgemm.blockscale.nvfp4_alpha); pass torch.ones(E) if both global scales are 1"
         )
-    _check_tensor("alpha", alpha, 1, (torch.float32,))
+    check_tensor("alpha", alpha, 1, (torch.float32,))
     if alpha.shape[0] != num_experts:
         raise ValueError(f"alpha must have E={num_experts} entries (one per expert), got {alpha.shape[0]}")
     if alpha.stride(0) != 1 and num_experts > 1:
@@ -118,10 +117,10 @@ def validate_blockscaled_args(
     K in elements (twice the packed bytes for NVFP4)."""
     if not fmt.block_scaled:
         raise ValueError(f"validate_blockscaled_args is for MXFP8 / NVFP4, got {fmt.value}")
-    ab = _FP4_BYTES if fmt is Format.NVFP4 else (_FP8,)
-    _check_tensor("a", a, 3, ab)
-    _check_tensor("b", b, 3, ab)
-    _check_tensor("masked_m", masked_m, 1, (torch.int32,))
+    ab = _FP4_BYTES if fmt is Format.NVFP4 else (FP8,)
+    check_tensor("a", a, 3, ab)
+    check_tensor("b", b, 3, ab)
+    check_tensor("masked_m", masked_m, 1, (torch.int32,))
     e_count, max_m, _ = a.shape
     k = logical_k(fmt, a)
     packed = " (2 e2m1 per byte)" if fmt is Format.NVFP4 else ""
@@ -140,7 +139,7 @@ def validate_blockscaled_args(
     _check_scale("b_scale", b_scale, fmt, blocked_scale_shape(fmt, e_count, n, k), "N")
     check_alpha(fmt, alpha, e_count)
     if out is not None:
-        _check_tensor("out", out, 3, (torch.bfloat16,))
+        check_tensor("out", out, 3, (torch.bfloat16,))
         if tuple(out.shape) != (e_count, max_m, n):
             raise ValueError(f"out must have shape (E, max_m, N) = {(e_count, max_m, n)}, got {tuple(out.shape)}")
     span_a = _check_tma_operand("a", a, "K")

@@ -19,6 +19,7 @@ import typing
 from collections.abc import Hashable
 from typing import Optional
 
+from .epilogue import Epilogue
 from .formats import Format
 
 
@@ -51,33 +52,6 @@ class Staging(enum.Enum):
 
     PAIR = "pair"  # two 32-column buffers, rotated sub-tile by sub-tile
     WHOLE_TILE = "whole_tile"  # every sub-tile; each warpgroup hands its rows over alone
-
-
-class Epilogue(enum.Enum):
-    """Where the finished tiles go."""
-
-    STORE = "store"  # bf16 rows out[e, :m_e]
-    COMBINE = "combine"  # weight * row reduce-added into its token's fp32 row of a [T, N] output
-    COMBINE_BF16 = "combine_bf16"  # the same into a bf16 output: half the bytes (docs/design.md)
-    # weight * row stored as bf16 into the receive buffer of its token's owner
-    # rank (an NVLink peer address), no reduction: the owner sums its k rows
-    COMBINE_PEERS = "combine_peers"
-    # gate_up with the SwiGLU activation fused: B is w13 interleaved in
-    # SWIGLU_GRANULE-row gate / up groups, and each tile leaves as h = silu(gate)
-    # * up, quantized 1x128 to fp8 (the cluster pair's row maxima exchanged) or bf16
-    SWIGLU_FP8 = "swiglu_fp8"
-    SWIGLU_BF16 = "swiglu_bf16"
-
-    @property
-    def combines(self) -> bool:
-        """The fused combine: every row leaves weighted, one by one (a
-        reduction into its token's row, or a store into its owner's buffer)."""
-        return self in (Epilogue.COMBINE, Epilogue.COMBINE_BF16, Epilogue.COMBINE_PEERS)
-
-    @property
-    def activates(self) -> bool:
-        """The fused SwiGLU: the tile leaves as the down projection's input."""
-        return self in (Epilogue.SWIGLU_FP8, Epilogue.SWIGLU_BF16)
 
 
 SIGNAL_MODES = (None, "m_block", "expert")

@@ -1,4 +1,5 @@
-"""Operand formats of the masked grouped GEMM, and which arch package runs each.
+"""Operand formats of the masked grouped GEMM (which backend runs each: its
+``Backend.formats``).
 
 A format fixes the element type of ``a`` and ``b``, how their scale factors
 are shaped and typed, and what the epilogue multiplies in:
@@ -55,19 +56,3 @@ class Format(enum.Enum):
     def k_align(self) -> int:
         """K must be a multiple of this (a whole scale block, and 16-byte TMA rows)."""
         return {Format.BF16: 8, Format.FP8_BLOCK128: 128, Format.MXFP8: 32, Format.NVFP4: 32}[self]
-
-
-# arch package -> the formats its kernels take
-ARCH_FORMATS = {
-    "sm90": (Format.BF16, Format.FP8_BLOCK128),
-    "sm100": (Format.BF16, Format.FP8_BLOCK128, Format.MXFP8, Format.NVFP4),
-}
-
-
-def check_format_on(fmt: Format, backend: str) -> None:
-    """Refuse a format the arch package has no kernel for, naming both."""
-    supported = ARCH_FORMATS.get(backend, ())
-    if fmt not in supported:
-        names = ", ".join(f.value for f in supported) or "none"
-        raise ValueError(f"format {fmt.value!r} needs a Blackwell GPU (sm_100/sm_103); "
-                         f"this GPU's kernels ({backend}) take: {names}")

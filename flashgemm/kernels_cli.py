@@ -45,11 +45,6 @@ PTX_FEATURES = {
     "tcgen05.cp": "tcgen05.cp",
     "tcgen05.ld": "tcgen05.ld",
 }
-# how each fused combine's rows leave (by Epilogue value)
-COMBINE_FEATURE = {"combine": "combine-reduce", "combine_bf16": "combine-reduce-bf16",
-                   "combine_peers": "combine-peer-store"}
-# the MMA kind each sm100 format must use
-SM100_MMA_FEATURE = {"mxfp8": "tcgen05-mma-mxf8f6f4", "nvfp4": "tcgen05-mma-mxf4nvf4", "bf16": "tcgen05-mma-f16"}
 # A signalled kernel's publishing sequence, in this order: the bulk stores
 # complete (the full wait, not ``.read``), the async-proxy writes are fenced
 # before generic operations, then the GPU-scope release add.
@@ -126,37 +121,27 @@ def cmd_compile(args) -> int:
     launch, or with ``--match`` the GEMMs whose name contains it, one line
     each with the PTX features found; exit 1 if a kernel lacks what it must
     have, 2 if ``--match`` names no GEMM."""
+    from . import backend
     from .jit.arch import ensure_arch_env
 
     arch = ensure_arch_env(check_arch(args.arch))
-    if arch.startswith("sm_10"):
-        return _compile_sm100(args, arch)
-    from .jit.key import cache_key
-    from .signals import DEFAULT_ROWS_PER_ITEM
-    from .sm90.build import build, build_combine, combine_block_ms, combine_key
-    from .sm90.heuristic import reachable_specs
-
-    specs = [s for s in reachable_specs() if not args.match or args.match in s.name()]
-    if args.match and not specs:
-        return _no_match(args.match, arch, [s.name() for s in reachable_specs()])
-    block_ms = [] if args.match else combine_block_ms(reachable_specs())
-    jobs = [(s.name(), cache_key(arch, s), lambda s=s: build(s, arch, keep_ptx=True),
-             lambda feats, s=s: sm90_ok(s, feats)) for s in specs]
-    jobs += [(f"combine-block_m{m}-rows{DEFAULT_ROWS_PER_ITEM}", combine_key(arch, m, DEFAULT_ROWS_PER_ITEM),
-              lambda m=m: build_combine(m, arch, keep_ptx=True, rows_per_item=DEFAULT_ROWS_PER_ITEM),
-              lambda feats: "bulk-reduce" in feats and "acquire-poll" in feats)
-             for m in block_ms]
+    be = backend.for_arch(arch)
+    gemms = be.gemm_jobs(arch, args.match or "")
+    if args.match and not gemms:
+        return _no_match(args.match, arch, [s.name() for s in be.reachable_specs()])
+    block_ms = [] if args.match else be.signal_block_ms(be.reachable_specs())
+    extra = be.extra_jobs(arch, block_ms)
     activations = _activation_jobs(args, arch)
-    jobs += activations
     ep = _ep_jobs(arch, block_ms)
-    jobs += ep
     if args.match:  # say what the subset is, not what the full listing holds
-        what = _subset(args.match, f"{len(specs)} GEMMs", activations)
+        what = _subset(args.match, f"{len(gemms)} GEMMs", activations)
     else:
-        what = (f"{len(specs)} GEMMs (every configuration the heuristic picks x signal mode, fused "
-                f"combine or fused SwiGLU), {len(activations)} MoE activations, {len(block_ms)} reference "
-                f"combines and {len(ep)} expert-parallel kernels")
-    return _run_jobs(jobs, arch, getattr(args, "cache_dir", None), what, subset=bool(args.match))
+        what = (f"{len(gemms)} GEMMs (every configuration the heuristic picks x signal mode and epilogue), "
+                f"{len(activations)} MoE activations"
+                + (f", {len(extra)} reference combines" if extra else "")
+                + (f" and {len(ep)} expert-parallel kernels" if ep else ""))
+    return _run_jobs(gemms + extra + activations + ep, arch, getattr(args, "cache_dir", None), what,
+                     subset=bool(args.match))
 
 
 def _subset(match: str, gemms: str, activations) -> str:
@@ -183,44 +168,24 @@ def _ep_jobs(arch: str, block_ms) -> list:
                                                   and "acquire-poll" not in feats
                                                   and ("fp8-cvt" in feats) == ("-fp8-" in name)),
               "ep-token-sum": lambda name, feats: not (handshake | {"acquire-poll"}) & set(feats)}
+    from .backend import CompileJob
+
     jobs = []
     for name, key, make in ep_kernel_jobs(arch, block_ms):
         check = next((c for prefix, c in checks.items() if name.startswith(prefix)), None)
         if check is None:  # a new EP kernel needs its PTX rule here
             raise RuntimeError(f"no PTX check for the expert-parallel kernel {name!r}")
-        jobs.append((name, key, lambda make=make: make(keep_ptx=True),
-                     lambda feats, name=name, check=check: check(name, feats)))
+        jobs.append(CompileJob(name, key, lambda keep, make=make: make(keep_ptx=keep),
+                               lambda feats, name=name, check=check: check(name, feats)))
     return jobs
-
-
-def sm90_ok(spec, feats) -> bool:
-    """What an sm_90 GEMM's PTX must show: wgmma and TMA loads, the signal
-    sequence when signalled, and the fused combine's reductions (of the
-    output's dtype), or its stores into the peers' buffers, instead of bulk
-    stores (and no other combine's); the fused SwiGLU's stores from
-    registers (no bulk stores, no reductions), the fp8 one's fp8 conversion."""
-    ok = "wgmma" in feats and "tma-load" in feats
-    if spec.signal_mode is not None:
-        ok &= "signal-publish" in feats
-    if spec.epilogue.combines:
-        send = COMBINE_FEATURE[spec.epilogue.value]
-        others = set(COMBINE_FEATURE.values()) - {send}
-        ok &= send in feats and "tma-store" not in feats and not others & set(feats)
-    if spec.epilogue.activates:
-        ok &= "tma-store" not in feats and not set(COMBINE_FEATURE.values()) & set(feats)
-        ok &= (spec.epilogue.value == "swiglu_fp8") == ("fp8-cvt" in feats)
-    return ok
 
 
 def _activation_jobs(args, arch: str) -> list:
     """The MoE activation kernels (arch-neutral), unless ``--match`` narrows
     the listing without ``--moe`` (the demo passes both)."""
-    from .moe.activation import activation_key, build as build_activation
+    from .moe.activation import activation_jobs
 
-    fp8s = [True, False] if not args.match or getattr(args, "moe", False) else []
-    return [(f"moe-silu_mul-{'fp8' if fp8 else 'bf16'}", activation_key(arch, fp8),
-             lambda fp8=fp8: build_activation(fp8, arch, keep_ptx=True),
-             lambda feats, fp8=fp8: ("fp8-cvt" in feats) == fp8) for fp8 in fp8s]
+    return activation_jobs(arch) if not args.match or getattr(args, "moe", False) else []
 
 
 def _run_jobs(jobs, arch: str, cache_dir, what: str, subset: bool = False) -> int:
@@ -233,9 +198,10 @@ def _run_jobs(jobs, arch: str, cache_dir, what: str, subset: bool = False) -> in
           + (f", into {cache_dir}" if cache_dir else ""), flush=True)
     ok = True
     t_all = time.perf_counter()
-    for i, (name, key, make, check) in enumerate(jobs):
+    for i, job in enumerate(jobs):
+        name, check = job.name, job.check
         t0 = time.perf_counter()
-        fn = cache.store(key, make, cache_dir) if cache_dir else make()
+        fn = cache.store(job.key, lambda: job.build(True), cache_dir) if cache_dir else job.build(True)
         ptx = getattr(fn, "__ptx__", None)
         head = f"  [{i + 1:3d}/{len(jobs)}] {name:58s} {time.perf_counter() - t0:5.1f} s"
         if ptx is None:  # loaded from the cache directory: no PTX to read
@@ -252,52 +218,3 @@ def _run_jobs(jobs, arch: str, cache_dir, what: str, subset: bool = False) -> in
         print(f"{len(jobs)} kernels for {arch} in {cache_dir} ({secs:.1f} s); "
               f"use them with FLASHGEMM_CACHE_DIR={cache_dir}")
     return 0 if ok else 1
-
-
-def sm100_ok(spec, feats) -> bool:
-    """What an sm_100 GEMM's PTX must show: its format's MMA kind, TMEM
-    allocation and loads, TMA loads and stores, tcgen05.cp for the scales,
-    cta_group::2 exactly for a CTA pair, the signal sequence when signalled."""
-    cfg = spec.config
-    need = {SM100_MMA_FEATURE[cfg.fmt.value], "tma-load", "tma-store", "tcgen05.alloc", "tcgen05.ld"}
-    if cfg.fmt.block_scaled:
-        need.add("tcgen05.cp")
-    if spec.signal_mode is not None:
-        need.add("signal-publish")
-    return need <= set(feats) and ("cta_group::2" in feats) == (cfg.cluster_size == 2)
-
-
-def blockwise_ok(spec, feats) -> bool:
-    """The DeepSeek fp8 recipe on sm_100: fp8 MMAs without block scales into
-    tensor memory, TMA loads and stores, the signal sequence when signalled."""
-    need = {"tcgen05-mma-f8f6f4", "tma-load", "tma-store", "tcgen05.alloc", "tcgen05.ld"}
-    if spec.signal_mode is not None:
-        need.add("signal-publish")
-    return need <= set(feats) and "tcgen05.cp" not in feats
-
-
-def _compile_sm100(args, arch: str) -> int:
-    """``compile`` for sm_100a / sm_103a: every GEMM the sm100 heuristics can
-    pick (block-scaled and bf16, and the DeepSeek fp8 recipe) and the MoE
-    activation kernels (the Hopper-only combines are not built)."""
-    from .jit.key import cache_key
-    from .sm100.blockwise_build import blockwise_specs, build_blockwise
-    from .sm100.build import build
-    from .sm100.heuristic import reachable_specs
-
-    specs = [s for s in reachable_specs() if not args.match or args.match in s.name()]
-    jobs = [(s.name(), cache_key(arch, s), lambda s=s: build(s, arch, keep_ptx=True),
-             lambda feats, s=s: sm100_ok(s, feats)) for s in specs]
-    blockwise = [s for s in blockwise_specs() if not args.match or args.match in s.name()]
-    if args.match and not specs and not blockwise:
-        return _no_match(args.match, arch, [s.name() for s in [*reachable_specs(), *blockwise_specs()]])
-    jobs += [(s.name(), cache_key(arch, "sm100-blockwise", s), lambda s=s: build_blockwise(s, arch, keep_ptx=True),
-              lambda feats, s=s: blockwise_ok(s, feats)) for s in blockwise]
-    activations = _activation_jobs(args, arch)
-    jobs += activations
-    if args.match:
-        what = _subset(args.match, f"{len(specs)} GEMMs and {len(blockwise)} DeepSeek fp8 GEMMs", activations)
-    else:
-        what = (f"{len(specs)} GEMMs (every configuration the heuristic picks x signal mode), "
-                f"{len(blockwise)} DeepSeek fp8 GEMMs and {len(activations)} MoE activations")
-    return _run_jobs(jobs, arch, getattr(args, "cache_dir", None), what, subset=bool(args.match))

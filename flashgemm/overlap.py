@@ -19,13 +19,13 @@ import torch
 from .api import grouped_gemm_nt_masked, signal_layout
 from .jit.arch import device_facts
 from .signals import DEFAULT_ROWS_PER_ITEM, SignalLayout, alloc_signals, check_rows_per_item
-from .validation import _FP8, _byte_span, _check_tensor, out_dtype
+from .validation import FP8, byte_span, check_tensor, out_dtype
 
 DEFAULT_MAX_POLLS = 20_000_000  # with <= 256 ns back-off: ~5 s before giving up
 
 
 def _check(name, t, dtype, shape):
-    _check_tensor(name, t, len(shape), (dtype,))
+    check_tensor(name, t, len(shape), (dtype,))
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if not t.is_contiguous():
@@ -94,9 +94,9 @@ def combine_masked(
     if isinstance(num_sms, bool) or not isinstance(num_sms, int) or not 1 <= num_sms <= sm_count:
         raise ValueError(f"num_sms must be an int in [1, {sm_count}], got {num_sms!r}")
 
-    from .sm90.build import get_combine_kernel
+    from . import backend
 
-    fn = get_combine_kernel(layout.block_m, rows_per_item)
+    fn = backend.for_capability(device_facts(out.device.index)[0]).reference_combine(layout.block_m, rows_per_item)
     fn(out, masked_m, dst_signals, token_idx, weight, combined, err, layout.n_tiles, max_polls, num_sms)
     return err
 
@@ -108,8 +108,8 @@ def _describe(t) -> str:
 
 
 def _overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
-    lo_x, hi_x = _byte_span(x)
-    lo_y, hi_y = _byte_span(y)
+    lo_x, hi_x = byte_span(x)
+    lo_y, hi_y = byte_span(y)
     return x.device == y.device and lo_x < hi_y and lo_y < hi_x
 
 
@@ -159,7 +159,7 @@ def run_gemm_and_combine(
     if out is not None and isinstance(combined, torch.Tensor) and _overlaps(out, combined):
         raise ValueError("combined must not overlap out (the combine reads out while it writes combined)")
     layout = signal_layout(e_count, max_m, b.shape[1], a.shape[2], expected_m=expected_m,
-                           num_sms=gemm_sms, config=config, fp8=a.dtype == _FP8, device=a.device)
+                           num_sms=gemm_sms, config=config, fp8=a.dtype == FP8, device=a.device)
     signals = alloc_signals(layout, a.device)
     if out is None:
         out = torch.empty((e_count, max_m, b.shape[1]), dtype=out_dtype(a.dtype), device=a.device)
@@ -167,9 +167,8 @@ def run_gemm_and_combine(
     side = _side_stream(a.device.index)
     ready = main.record_event()  # inputs and zeroed counters are ready
     # The GEMM is enqueued first so its 2-CTA clusters are placed on an empty
-    # GPU; the combine's CTAs then take the SMs left over. Combine first
-    # scattered its CTAs over the GPCs, fewer GEMM clusters fit, and the
-    # overlapped run took up to 2.4x the sequential one (H100, dsv3-ep32-down).
+    # GPU; the combine's CTAs then take the SMs left over (combine first
+    # scatters its CTAs over the GPCs and fewer GEMM clusters fit: docs/design.md).
     grouped_gemm_nt_masked(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, expected_m=expected_m,
                            num_sms=gemm_sms, config=config, dst_signals=signals)
     side.wait_event(ready)

@@ -9,8 +9,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from .config import Epilogue
-from .validation import _byte_span, _check_tensor, _overlaps
+from .validation import byte_span, check_tensor, overlaps
 
+# the launch slots the Combine fields fill, in order (the combined output is ``output``)
+ROUTING_SLOTS = ("token_index", "weight", "combined", "err", "peers")
 COMBINE_FIELDS = ("combine.token_index", "combine.weight", "combine.output", "combine.err", "combine.peers")
 # the dtypes the sums may have: fp32, or bf16 (half the reduction bytes; docs/design.md)
 SUM_DTYPES = (torch.float32, torch.bfloat16)
@@ -53,11 +55,11 @@ def check_combine(combine, out, dst_signals, e_count: int, max_m: int, n: int, i
     token_index, weight, output, err, peers = combine
     for name, t, dtype in (("combine.token_index", token_index, torch.int32),
                            ("combine.weight", weight, torch.float32)):
-        _check_tensor(name, t, 2, (dtype,))
+        check_tensor(name, t, 2, (dtype,))
         if tuple(t.shape) != (e_count, max_m) or t.stride(1) != 1:
             raise ValueError(f"{name} must have shape (E, max_m) = {(e_count, max_m)} with a "
                              f"contiguous last dim, got shape {tuple(t.shape)} strides {tuple(t.stride())}")
-    _check_tensor("combine.output", output, 2, SUM_DTYPES)
+    check_tensor("combine.output", output, 2, SUM_DTYPES)
     if output.shape[1] != n or not output.is_contiguous() or output.shape[0] < 1:
         raise ValueError(f"combine.output must be a contiguous [T, N={n}] tensor with T >= 1, "
                          f"got shape {tuple(output.shape)} strides {tuple(output.stride())}")
@@ -65,21 +67,21 @@ def check_combine(combine, out, dst_signals, e_count: int, max_m: int, n: int, i
         raise ValueError(f"combine.output must hold fewer than 2**31 elements, got {output.numel()}")
     if output.data_ptr() % 16:
         raise ValueError("combine.output must start at a 16-byte aligned address (16-byte reductions)")
-    _check_tensor("combine.err", err, 1, (torch.int32,))
+    check_tensor("combine.err", err, 1, (torch.int32,))
     if err.shape[0] != 1:
         raise ValueError(f"combine.err must have one element, got shape {tuple(err.shape)}")
-    span_out = _byte_span(output)
+    span_out = byte_span(output)
     for name, t in {**inputs, "combine.token_index": token_index, "combine.weight": weight,
                     "combine.err": err}.items():
-        if t is not None and _overlaps(span_out, _byte_span(t)):
+        if t is not None and overlaps(span_out, byte_span(t)):
             raise ValueError(f"combine.output must not overlap {name}")
     if peers is not None:
         _check_peers(peers, output, span_out)
     # a bad token ORs its bit into err: no other tensor of the call may share a byte with it
-    span_err = _byte_span(err)
+    span_err = byte_span(err)
     for name, t in {**inputs, "combine.token_index": token_index, "combine.weight": weight,
                     "combine.peers": peers}.items():
-        if t is not None and _overlaps(span_err, _byte_span(t)):
+        if t is not None and overlaps(span_err, byte_span(t)):
             raise ValueError(f"combine.err must not overlap {name}")
     return token_index, weight, output, err, peers
 
@@ -90,11 +92,11 @@ def _check_peers(peers, output, span_out) -> None:
     if output.dtype != torch.bfloat16:
         raise TypeError(f"combine.output must have dtype torch.bfloat16 with combine.peers (the rows are "
                         f"stored as bf16 into the receive buffers), got {output.dtype}")
-    _check_tensor("combine.peers", peers, 1, (torch.int64,))
+    check_tensor("combine.peers", peers, 1, (torch.int64,))
     if peers.shape[0] < 1 or not peers.is_contiguous():
         raise ValueError(f"combine.peers must be a contiguous [W] tensor with W >= 1, got shape "
                          f"{tuple(peers.shape)} strides {tuple(peers.stride())}")
-    if _overlaps(span_out, _byte_span(peers)):
+    if overlaps(span_out, byte_span(peers)):
         raise ValueError("combine.peers must not overlap combine.output")
     rows, world = output.shape[0], peers.shape[0]
     if rows * world >= 2**31:  # the flat destinations owner * R + row are int32

@@ -8,22 +8,18 @@ expected.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence
 
 import torch
 
-from .config import Epilogue, GemmConfig, Tail, check_field_types
+from .config import GemmConfig, Tail
 from .formats import Format
 from .jit.arch import backend_name
-from .sm100.config import Sm100Config
-from .sm100.limits import check_config as check_sm100_config
-from .sm90.limits import check_config
 
 _AB_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
-_FP8 = torch.float8_e4m3fn
+FP8 = torch.float8_e4m3fn
 _SCALE_BLOCK = 128  # 1x128 activation / 128x128 weight scale blocks
-_TMA_ALIGN = 16  # bytes: TMA base address and stride granularity
+TMA_ALIGN = 16  # bytes: TMA base address and stride granularity
 _MAX_DIM = 2**31 - 1  # extents are int32 in the kernel
 
 
@@ -36,7 +32,7 @@ def check_dense(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
 
 
-def _check_tensor(name: str, t, rank: int, dtypes: Sequence[torch.dtype]) -> None:
+def check_tensor(name: str, t, rank: int, dtypes: Sequence[torch.dtype]) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     check_dense(name, t)
@@ -64,18 +60,18 @@ def _check_tma_operand(name: str, t: torch.Tensor, inner: str, is_input: bool = 
             # broadcast views: we build no TMA descriptors with zero strides
             # (out gets the self-overlap check instead)
             raise ValueError(f"{name}.stride({dim}) is 0 (a broadcast view); pass a materialized tensor")
-        if (stride[dim] * es) % _TMA_ALIGN:
+        if (stride[dim] * es) % TMA_ALIGN:
             raise ValueError(
                 f"{name}.stride({dim}) = {stride[dim]} elements is not a multiple of "
-                f"{_TMA_ALIGN} bytes (TMA requirement)"
+                f"{TMA_ALIGN} bytes (TMA requirement)"
             )
     ptr = t.data_ptr()
-    if ptr % _TMA_ALIGN:
-        raise ValueError(f"{name} base address must be {_TMA_ALIGN}-byte aligned")
+    if ptr % TMA_ALIGN:
+        raise ValueError(f"{name} base address must be {TMA_ALIGN}-byte aligned")
     for dim in (0, 1, 2):
         if shape[dim] > _MAX_DIM:
             raise ValueError(f"{name}.shape[{dim}] = {shape[dim]} exceeds {_MAX_DIM}")
-    return _span(ptr, shape, stride, es)
+    return span(ptr, shape, stride, es)
 
 
 def _check_no_self_overlap(name: str, t: torch.Tensor) -> None:
@@ -94,17 +90,17 @@ def _check_no_self_overlap(name: str, t: torch.Tensor) -> None:
         extent = st * sz
 
 
-def _span(ptr: int, shape, stride, element_size: int) -> tuple[int, int]:
+def span(ptr: int, shape, stride, element_size: int) -> tuple[int, int]:
     last = sum((size - 1) * st for size, st in zip(shape, stride))
     return ptr, ptr + (last + 1) * element_size
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
     """[first byte, one past the last byte] that a tensor of any rank can touch."""
-    return _span(t.data_ptr(), t.shape, t.stride(), t.element_size())
+    return span(t.data_ptr(), t.shape, t.stride(), t.element_size())
 
 
-def _overlaps(x: tuple[int, int], y: tuple[int, int]) -> bool:
+def overlaps(x: tuple[int, int], y: tuple[int, int]) -> bool:
     return x[0] < y[1] and y[0] < x[1]
 
 
@@ -115,14 +111,14 @@ def check_no_alias(name: str, span: tuple[int, int], others: dict) -> None:
     for other_name, other in others.items():
         if other is None:
             continue
-        other_span = other if isinstance(other, tuple) else _byte_span(other)
-        if _overlaps(span, other_span):
+        other_span = other if isinstance(other, tuple) else byte_span(other)
+        if overlaps(span, other_span):
             raise ValueError(f"{name} must not overlap {other_name} in memory")
 
 
 def _check_scales(a, b, a_scale, b_scale, e_count, max_m, n, k) -> None:
     """fp8 operands come with both scale tensors, 16-bit operands with none."""
-    fp8 = a.dtype == _FP8
+    fp8 = a.dtype == FP8
     if not fp8:
         for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
             if t is not None:
@@ -131,8 +127,8 @@ def _check_scales(a, b, a_scale, b_scale, e_count, max_m, n, k) -> None:
     for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
         if t is None:
             raise ValueError(f"float8_e4m3fn operands need {name} (block-scaled fp8); got None")
-    _check_tensor("a_scale", a_scale, 3, (torch.float32,))
-    _check_tensor("b_scale", b_scale, 3, (torch.float32,))
+    check_tensor("a_scale", a_scale, 3, (torch.float32,))
+    check_tensor("b_scale", b_scale, 3, (torch.float32,))
     k_blocks = -(-k // _SCALE_BLOCK)
     want_a = (e_count, max_m, k_blocks)
     if tuple(a_scale.shape) != want_a:
@@ -164,7 +160,7 @@ def tma_ready_a_scale(a_scale: torch.Tensor, check_only: bool = False):
     small extra kernel per call: the slower path). ``check_only``: just say
     whether a copy is needed."""
     st = a_scale.stride()
-    in_place = st[1] == 1 and st[0] % 4 == 0 and st[2] % 4 == 0 and a_scale.data_ptr() % _TMA_ALIGN == 0
+    in_place = st[1] == 1 and st[0] % 4 == 0 and st[2] % 4 == 0 and a_scale.data_ptr() % TMA_ALIGN == 0
     if check_only:
         return not in_place
     if in_place:
@@ -201,16 +197,16 @@ def check_masked_m(masked_m, e_count: int) -> None:
 
 def validate_args(a, b, out, masked_m, a_scale=None, b_scale=None) -> tuple[int, int, int, int]:
     """Shape, dtype, stride and aliasing checks. Returns (E, max_m, N, K)."""
-    _check_tensor("a", a, 3, _AB_DTYPES)
+    check_tensor("a", a, 3, _AB_DTYPES)
     if isinstance(b, torch.Tensor) and b.dtype != a.dtype and b.dtype in _AB_DTYPES:
         raise TypeError(f"a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
-    _check_tensor("b", b, 3, (a.dtype,))
-    _check_tensor("masked_m", masked_m, 1, (torch.int32,))
+    check_tensor("b", b, 3, (a.dtype,))
+    check_tensor("masked_m", masked_m, 1, (torch.int32,))
     e_count, max_m, k = a.shape
     n, b_k = check_expert_dims(a, b)
     if b_k != k:
         raise ValueError(f"b.shape[2] must equal K={k} of a, got {b_k}")
-    n_mult, k_mult = dim_multiples(Format.FP8_BLOCK128 if a.dtype == _FP8 else Format.BF16)
+    n_mult, k_mult = dim_multiples(Format.FP8_BLOCK128 if a.dtype == FP8 else Format.BF16)
     if k < k_mult or k % k_mult:
         raise ValueError(f"K (a.shape[2]) must be a positive multiple of {k_mult}, got {k}")
     if n < n_mult or n % n_mult:
@@ -218,7 +214,7 @@ def validate_args(a, b, out, masked_m, a_scale=None, b_scale=None) -> tuple[int,
     check_masked_m(masked_m, e_count)
     _check_scales(a, b, a_scale, b_scale, e_count, max_m, n, k)
     if out is not None:
-        _check_tensor("out", out, 3, (out_dtype(a.dtype),))
+        check_tensor("out", out, 3, (out_dtype(a.dtype),))
         if tuple(out.shape) != (e_count, max_m, n):
             raise ValueError(
                 f"out must have shape (E, max_m, N) = {(e_count, max_m, n)}, got {tuple(out.shape)}"
@@ -265,7 +261,7 @@ def check_problem_sizes(fmt: Format, num_experts, max_m, n, k) -> None:
 
 def out_dtype(ab_dtype: torch.dtype) -> torch.dtype:
     """fp8 products are written as bf16; 16-bit ones in their own dtype."""
-    return torch.bfloat16 if ab_dtype == _FP8 else ab_dtype
+    return torch.bfloat16 if ab_dtype == FP8 else ab_dtype
 
 
 def check_expected_m(expected_m) -> None:
@@ -301,12 +297,6 @@ def check_num_sms(num_sms, sm_count: int, device) -> int:
     return num_sms
 
 
-@functools.lru_cache(maxsize=64)
-def validated_config(config: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> GemmConfig:
-    # configs are frozen: validate each one once per process
-    return check_config(config, fmt, epilogue)
-
-
 def check_tail_with_signals(config: GemmConfig, signals: bool) -> None:
     if signals and config.tail is Tail.SPLIT:
         raise ValueError(
@@ -317,35 +307,13 @@ def check_tail_with_signals(config: GemmConfig, signals: bool) -> None:
 
 def check_config_arg(config, fmt: Format, num_sms, signals: bool, combine: bool) -> None:
     """``config`` from itself and the call's other arguments, before the
-    device is known: a GemmConfig configures the sm_90 kernels (checked
-    against their rules), an Sm100Config the sm_100 / sm_103 ones."""
-    if config is None:
-        return
-    if isinstance(config, GemmConfig):
-        if fmt.block_scaled:
-            raise TypeError(f"config on an sm_100 GPU must be a flashgemm.Sm100Config or None ({fmt.value} "
-                            "operands run on sm_100 / sm_103 only), got GemmConfig")
-        validated_config(config, Format.FP8_BLOCK128 if fmt is Format.FP8_BLOCK128 else Format.BF16,
-                         Epilogue.COMBINE if combine else Epilogue.STORE)
-        check_tail_with_signals(config, signals)
-        cluster = config.cluster_n
-    elif isinstance(config, Sm100Config):
-        if combine:
-            raise TypeError("config with combine must be a flashgemm.GemmConfig or None (combine runs on "
-                            "sm_90 only), got Sm100Config")
-        if fmt is Format.FP8_BLOCK128:
-            raise TypeError("config for 1x128 fp8 operands must be a flashgemm.GemmConfig (sm_90) or None "
-                            "(sm_100 chooses its own tiles), got Sm100Config")
-        check_field_types(config)
-        check_sm100_config(config)
-        if config.fmt is not fmt:
-            raise ValueError(f"config.fmt is {config.fmt.value} but the operands are {fmt.value}")
-        cluster = config.cluster_size
-    else:
-        raise TypeError(f"config must be a flashgemm.GemmConfig (sm_90), a flashgemm.Sm100Config "
-                        f"(sm_100 / sm_103) or None, got {type(config).__name__}")
-    if num_sms is not None and num_sms < cluster:
-        raise ValueError(f"config.cluster_n={cluster} needs num_sms >= {cluster}, got {num_sms}")
+    device is known: the backend whose configuration type it is checks it
+    against its rules (a GemmConfig the sm_90 kernels', an Sm100Config the
+    sm_100 / sm_103 ones')."""
+    if config is not None:
+        from . import backend
+
+        backend.for_config(config).check_config_arg(config, fmt, num_sms, signals, combine)
 
 
 def check_options(fmt: Format, config, expected_m, num_sms, signals: bool, combine: bool) -> None:

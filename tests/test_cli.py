@@ -154,8 +154,8 @@ def test_every_expert_parallel_kernel_has_a_ptx_check():
     from flashgemm.ep.combine import ep_kernel_jobs
 
     jobs = kernels_cli._ep_jobs("sm_90a", [64])
-    assert [name for name, *_ in jobs] == [name for name, _, _ in ep_kernel_jobs("sm_90a", [64])]
-    checks = {name: check for name, _, _, check in jobs}
+    assert [job.name for job in jobs] == [name for name, _, _ in ep_kernel_jobs("sm_90a", [64])]
+    checks = {job.name: job.check for job in jobs}
     dispatch = [name for name in checks if name.startswith("ep-dispatch")]
     assert dispatch and any("-fp8-" in n for n in dispatch) and any("-bf16-" in n for n in dispatch)
     for name in dispatch:  # what the dispatch's PTX shows: peer stores, system-scope waits, fp8 conversion

@@ -5,6 +5,8 @@ is checked in test_compile.py, its results on the GPU in
 test_gpu_combine_peers.py."""
 
 import pytest
+
+from flashgemm.plan import PlanCache
 import torch
 
 import flashgemm
@@ -89,7 +91,7 @@ def stub_launch(monkeypatch):
     specs, seen, fn = [], [], _Recorder()
     monkeypatch.setattr(api, "validate_device", lambda tensors, *rest, **kw: seen.append(tensors) or 132)
     monkeypatch.setattr(build, "get_kernel", lambda spec, *rest, **kw: specs.append(spec) or fn)
-    monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(api, "_PLANS", PlanCache())
     return specs, seen, fn
 
 

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from flashgemm.__main__ import ptx_features
-from flashgemm.kernels_cli import sm90_ok
+from flashgemm.sm90.backend import gemm_ptx_ok as sm90_ok
 from flashgemm.config import Epilogue, GemmConfig, KernelSpec, Promotion, Staging, Tail, TileOrder
 from flashgemm.formats import Format
 from flashgemm.jit import cache

@@ -63,9 +63,14 @@ def test_heuristic_regimes(expected_m, want):
 
 
 def test_top_level_choose_config_is_the_heuristic():
+    """flashgemm.choose_config asks the compile target's backend (sm_90a
+    here, without a GPU): the sm_90 heuristic's pick."""
     import flashgemm
 
-    assert flashgemm.choose_config is choose_config
+    for args in [(1, 4096, 4096, 7168, 132), (128, 4096, 7168, 2048, 132, True, 8), (700, 1024, 512, 512, 7)]:
+        assert flashgemm.choose_config(*args) == choose_config(*args)
+    assert flashgemm.choose_config(64, 256, 512, 512, 132, fmt="fp8_block128", signals=True) == \
+        choose_config(64, 256, 512, 512, 132, True, signals=True)
 
 
 @pytest.mark.parametrize("expected_m", [1, 32, 48, 64, 96, 97, 144, 145, 256, 1024])
@@ -216,7 +221,7 @@ def test_bf16_192_row_tile_width_follows_the_rounds():
 
 
 def test_fp8_heuristic_regimes():
-    from flashgemm.api import _resolve_config
+    from flashgemm.sm90.launch import resolve_config
     from flashgemm.sm90.heuristic import (
         FP8_DECODE_CONFIG, FP8_DECODE_N64_CONFIG, FP8_MID_CONFIG, FP8_PREFILL_CONFIG,
         FP8_PREFILL_N128_CONFIG,
@@ -285,10 +290,10 @@ def test_fp8_heuristic_regimes():
         assert signalled == plain.replace(n_major_window=FP8_SIGNAL_WINDOW), m
         assert _reachable(FP8, signalled, signals=True) and _reachable(FP8, plain)
 
-    assert _resolve_config(None, 128, 4096, 7168, 2048, 132, True, 8, signals=True).n_major_window
-    assert not _resolve_config(None, 128, 4096, 7168, 2048, 132, True, 8).n_major_window
+    assert resolve_config(None, FP8, 128, 4096, 7168, 2048, 132, 8, signals=True).n_major_window
+    assert not resolve_config(None, FP8, 128, 4096, 7168, 2048, 132, 8).n_major_window
     # an explicit config is the caller's choice, signals or not
-    assert not _resolve_config(FP8_MID_CONFIG, None, 4096, 7168, 2048, 132, True, 8, signals=True).n_major_window
+    assert not resolve_config(FP8_MID_CONFIG, FP8, None, 4096, 7168, 2048, 132, 8, signals=True).n_major_window
     single = choose_config(32, 1024, 4096, 7168, 1, fp8=True)
     assert single.cluster_n == 1 and _reachable(FP8, single)
     for cfg in FP8_CONFIGS:

@@ -114,9 +114,9 @@ def test_the_walk_finds_the_package():
                    "flashgemm.sm90", "flashgemm.sm90.build", "flashgemm.sm90.barriers"):
         assert module in MODULES, module
     graph, _ = _graph()
-    # imports inside functions count: the launcher builds kernels lazily
-    assert "flashgemm.sm90.build" in graph["flashgemm.api"]
-    assert "flashgemm.sm90.heuristic" in graph["flashgemm.api"]
+    # imports inside functions count: the backends build kernels lazily
+    assert "flashgemm.sm90.build" in graph["flashgemm.sm90.backend"]
+    assert "flashgemm.sm90.heuristic" in graph["flashgemm.sm90.backend"]
     # `from . import x` is the module x, `from .x import name` is x too
     assert "flashgemm.workspace" in graph["flashgemm.api"]
     assert "flashgemm.jit.cache" in graph["flashgemm.sm90.build"]
@@ -227,3 +227,52 @@ def test_barrier_check_catches_a_literal_id():
     assert not check("NamedBarrier(barrier_id=3, num_threads=160)")
     assert not check("barrier(barrier_id=EPILOGUE + 1)")
     assert not check("barrier(barrier_id=w)")
+
+
+ARCH_PACKAGES = ("flashgemm.sm90", "flashgemm.sm100")
+
+
+def _collapsed(module: str) -> str:
+    """``flashgemm.X``: the subpackage or top-level module a module belongs to."""
+    return ".".join(module.split(".")[:2])
+
+
+def _collapsed_graph():
+    graph, _ = _graph()
+    collapsed = {}
+    for module, targets in graph.items():
+        edges = collapsed.setdefault(_collapsed(module), set())
+        edges.update(_collapsed(t) for t in targets if _collapsed(t) != _collapsed(module))
+    return collapsed
+
+
+def test_no_cycle_among_subpackages():
+    """Collapsed to flashgemm.X (function-level imports included), the import
+    graph has no cycle: the arch packages sit below the layer packages and
+    above the shared ones, and nothing reaches back."""
+    cycle = _find_cycle(_collapsed_graph())
+    assert cycle is None, "cycle between subpackages: " + " -> ".join(cycle)
+
+
+def test_arch_neutral_code_names_no_arch_package():
+    """Only an arch package imports an arch package; the rest reaches one
+    through ``flashgemm.backend``'s registry."""
+    offenders = [f"{module} -> {target}" for module, targets in _graph()[0].items()
+                 if _collapsed(module) not in ARCH_PACKAGES
+                 for target in targets if _collapsed(target) in ARCH_PACKAGES]
+    assert not offenders, offenders
+
+
+def test_device_helpers_import_only_themselves():
+    """flashgemm.device sits below the arch and layer packages."""
+    graph, _ = _graph()
+    outside = [f"{m} -> {t}" for m, ts in graph.items() if _collapsed(m) == "flashgemm.device"
+               for t in ts if _collapsed(t) != "flashgemm.device"]
+    assert not outside, outside
+
+
+def test_the_collapsed_checks_catch_a_cycle_and_an_arch_import():
+    assert _find_cycle({"flashgemm.moe": {"flashgemm.sm90"}, "flashgemm.sm90": {"flashgemm.moe"}})
+    assert _collapsed("flashgemm.sm90.kernel") == "flashgemm.sm90" and _collapsed("flashgemm.api") == "flashgemm.api"
+    graph = _collapsed_graph()
+    assert "flashgemm.backend" in graph["flashgemm.sm90"] and "flashgemm.sm90" not in graph["flashgemm.api"]

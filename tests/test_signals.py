@@ -290,7 +290,7 @@ def test_signal_layout_with_num_sms_needs_no_gpu(fake_gpu, monkeypatch):
 
 @pytest.mark.parametrize("arch, capability", [("sm_90a", (9, 0)), ("sm_100a", (10, 0)), ("sm_103a", (10, 3))])
 def test_compile_target_capability(monkeypatch, arch, capability):
-    from flashgemm import api
+    from flashgemm import backend
 
-    monkeypatch.setattr(api, "default_arch", lambda: arch)
-    assert api._target_capability() == capability
+    assert backend.for_arch(arch) is backend.for_capability(capability)
+    assert backend.for_arch(arch).name == ("sm90" if capability[0] == 9 else "sm100")

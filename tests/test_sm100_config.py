@@ -150,19 +150,22 @@ def test_signal_block_is_the_cta_tile():
 
 
 def test_precompile_dispatches_by_arch(monkeypatch):
-    """flashgemm.precompile builds the arch package's kernels: sm100's for an
-    sm_10x target, sm90's and the (Hopper-only) expert-parallel ones
-    otherwise (nothing is built here: all are stubbed)."""
+    """flashgemm.precompile builds the target backend's kernels (sm100's for
+    an sm_10x target, sm90's otherwise), the MoE activations, and the
+    expert-parallel kernels where the backend has the fused combines
+    (nothing is built here: all are stubbed)."""
     import flashgemm
+    from flashgemm import backend
     from flashgemm.ep import combine as ep_combine
-    from flashgemm.sm100 import build as sm100_build
-    from flashgemm.sm90 import build as sm90_build
+    from flashgemm.jit import cache
 
     calls = []
-    monkeypatch.setattr(sm100_build, "precompile", lambda *a, **kw: calls.append(("sm100", kw["arch"])) or 1)
-    monkeypatch.setattr(sm90_build, "precompile", lambda *a, **kw: calls.append(("sm90", kw["arch"])) or 2)
+    monkeypatch.setattr(backend.get("sm100"), "precompile", lambda *a, **kw: calls.append(("sm100", kw["arch"])) or 1)
+    monkeypatch.setattr(backend.get("sm90"), "precompile", lambda *a, **kw: calls.append(("sm90", kw["arch"])) or 2)
     monkeypatch.setattr(ep_combine, "precompile", lambda *a, **kw: calls.append(("ep", kw["arch"])) or 5)
-    assert flashgemm.precompile(arch="sm_103a") == 1
-    assert flashgemm.precompile(arch="sm_90a") == 7
+    monkeypatch.setattr(cache, "store", lambda key, make, cache_dir=None: calls.append(("store", key[-2])))
+    assert flashgemm.precompile(arch="sm_103a") == 1 + 2
+    assert flashgemm.precompile(arch="sm_90a") == 2 + 2 + 5
     assert flashgemm.precompile([], arch="sm_90a") == 2  # an explicit list: those kernels only
-    assert calls == [("sm100", "sm_103a"), ("sm90", "sm_90a"), ("ep", "sm_90a"), ("sm90", "sm_90a")]
+    act = [("store", "silu_mul")] * 2
+    assert calls == [("sm100", "sm_103a"), *act, ("sm90", "sm_90a"), *act, ("ep", "sm_90a"), ("sm90", "sm_90a")]

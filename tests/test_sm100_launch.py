@@ -5,6 +5,8 @@ kernel (argument order, dtype views without copies, grid), that
 ``signal_layout`` gives the layout of the launch, and the config rules."""
 
 import pytest
+
+from flashgemm.plan import PlanCache
 import torch
 
 import flashgemm
@@ -35,9 +37,12 @@ def blackwell(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(api, "device_facts", lambda index: ((10, 0), SMS, "NVIDIA B200 (fake)"))
     # (CPU tensors report no device index, so the plan sees no capability: every GPU is an sm100 one)
-    monkeypatch.setattr(api, "backend_name", lambda cap: "sm100")
+    from flashgemm import backend
+
+    sm100 = backend.get("sm100")
+    monkeypatch.setattr(backend, "for_capability", lambda cap: sm100)
     monkeypatch.setattr(api, "validate_device", lambda tensors, num_sms, *rest: num_sms or SMS)
-    monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(api, "_PLANS", PlanCache())
     monkeypatch.setattr(build, "get_kernel", rec.get)
     monkeypatch.setattr(blockwise_build, "get_blockwise_kernel", rec.get)
     return rec

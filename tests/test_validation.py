@@ -9,6 +9,8 @@ import re
 import types
 
 import pytest
+
+from flashgemm.plan import PlanCache
 import torch
 
 import flashgemm
@@ -391,7 +393,7 @@ def test_launcher_passes_every_tensor_to_the_device_check(monkeypatch):
     a, b, out, mm = make()
     sig = torch.zeros(8, dtype=torch.int32)
     with pytest.raises(Stop):
-        api._make_plan(a, b, out, mm, None, None, None, None, None, sig, "expert")
+        api._make_plan(api.CallArgs(a, b, out, mm, config=None, dst_signals=sig, signal_granularity="expert"))
     assert set(seen) == {"a", "b", "out", "masked_m", "a_scale", "b_scale", "alpha", "dst_signals"}
     assert seen["dst_signals"] is sig and seen["out"] is out and seen["a_scale"] is None
 
@@ -599,18 +601,19 @@ def test_broadcast_operand_rejected(which):
 
 
 def _plan_for(a, b, out, mm):
-    from flashgemm.api import _LaunchPlan, _pointer_rules
+    from flashgemm.plan import LaunchPlan
+    from flashgemm.sm90.launch import ALIGNED, SLOTS, WRITTEN
 
-    return _LaunchPlan(
-        fn=None, num_ctas=1, layout=None, out_shape=None, out_dtype=None,
-        copy_a_scale=False, counter_device=None,
-        **_pointer_rules((a, b, mm, out, None, None, None), False),
-    )
+    return LaunchPlan(None, SLOTS, _named(a, b, mm, out), aligned=ALIGNED + ("a_scale",), written=WRITTEN)
+
+
+def _named(a, b, mm, out):
+    return {"a": a, "b": b, "masked_m": mm, "out": out}
 
 
 def test_fast_path_pointer_checks_accept_distinct_aligned_tensors():
     a, b, out, mm = make()
-    assert _plan_for(a, b, out, mm).pointers_ok(a, b, mm, out, None, None, None)
+    assert _plan_for(a, b, out, mm).pointers_ok(_named(a, b, mm, out))
 
 
 def test_fast_path_pointer_checks_catch_aliasing_and_misalignment():
@@ -620,16 +623,16 @@ def test_fast_path_pointer_checks_catch_aliasing_and_misalignment():
     buf = torch.empty(a.numel() + out.numel(), dtype=BF16)
     a2 = buf[: a.numel()].view_as(a)
     out2 = buf[a.numel() // 2 : a.numel() // 2 + out.numel()].view_as(out)
-    assert not plan.pointers_ok(a2, b, mm, out2, None, None, None)
+    assert not plan.pointers_ok(_named(a2, b, mm, out2))
     with pytest.raises(ValueError, match="out must not overlap a"):
         validate_args(a2, b, out2, mm)
     # a misaligned by one element
     big = torch.empty(a.numel() + 8, dtype=BF16)
     a3 = big[1 : 1 + a.numel()].view_as(a)
-    assert not plan.pointers_ok(a3, b, mm, out, None, None, None)
+    assert not plan.pointers_ok(_named(a3, b, mm, out))
     # masked_m inside out
     mm2 = out.view(-1)[:2 * E].view(torch.int32)
-    assert not plan.pointers_ok(a, b, mm2, out, None, None, None)
+    assert not plan.pointers_ok(_named(a, b, mm2, out))
 
 
 class _CompiledStandIn:
@@ -659,11 +662,11 @@ def cpu_launcher(monkeypatch):
     fn = _CompiledStandIn()
     monkeypatch.setattr(api, "validate_device", lambda *args, **kw: 132)
     monkeypatch.setattr(build, "get_kernel", lambda *args, **kw: fn)
-    monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(api, "_PLANS", PlanCache())
     return fn
 
 
-def test_reused_plan_explains_a_refusal_of_the_compiled_checks(cpu_launcher):
+def test_a_new_signature_gets_the_full_checks(cpu_launcher):
     from flashgemm import api
 
     a, b, out, mm = make()
@@ -673,15 +676,16 @@ def test_reused_plan_explains_a_refusal_of_the_compiled_checks(cpu_launcher):
     bad = {
         rf"^masked_m must have E={E} entries, got {E + 1}$": (a, b, out, torch.zeros(E + 1, dtype=torch.int32)),
         "^out must have dtype torch.bfloat16, got torch.float16$": (a, b, out.view(torch.float16), mm),
-        # a view with out's strides but fewer columns: the same signature key
+        # a view with out's strides but fewer columns
         r"^out must have shape \(E, max_m, N\)": (
             a, b, torch.empty(E, M, N, dtype=BF16)[:, :, : N - 8], mm,
         ),
     }
     for message, args in bad.items():
-        with pytest.raises((TypeError, ValueError), match=message) as info:
+        # every tensor's dtype, shape and strides are in the signature: no plan
+        # serves these, and the full checks name the argument before any launch
+        with pytest.raises((TypeError, ValueError), match=message):
             api.grouped_gemm_nt_masked(*args)
-        assert isinstance(info.value.__cause__, ValueError)  # the compiled function's refusal
     assert cpu_launcher.launches == 2 and len(api._PLANS) == 1
 
 
@@ -747,7 +751,7 @@ def test_split_tail_config_with_signals_rejected_before_compiling(monkeypatch):
     cfg = GemmConfig(cluster_n=2, tail=Tail.SPLIT)
     before = cache.compile_count
     with pytest.raises(ValueError, match=r"^config\.tail=SPLIT cannot publish dst_signals"):
-        api._make_plan(a, b, out, mm, None, None, None, None, cfg, sig, "expert")
+        api._make_plan(api.CallArgs(a, b, out, mm, config=cfg, dst_signals=sig, signal_granularity="expert"))
     assert cache.compile_count == before
 
 
@@ -764,7 +768,7 @@ def test_dst_signals_aliasing_rejected_before_compiling(monkeypatch, victim):
     sig = tensors[victim].view(-1)[:8].view(torch.int32)
     before = cache.compile_count
     with pytest.raises(ValueError, match=f"^dst_signals must not overlap {victim} in memory$"):
-        api._make_plan(a, b, out, mm, None, None, None, None, None, sig, "expert")
+        api._make_plan(api.CallArgs(a, b, out, mm, config=None, dst_signals=sig, signal_granularity="expert"))
     assert cache.compile_count == before
 
 

@@ -9,6 +9,8 @@ device facts and the kernels stubbed.
 import types
 
 import pytest
+
+from flashgemm.plan import PlanCache
 import torch
 
 import flashgemm
@@ -289,14 +291,15 @@ def test_combine_refused_for_block_scaled_operands():
 
 @pytest.fixture
 def stub_device(monkeypatch):
-    """validate_device passes and reports 148 SMs; ``set(backend)`` picks
-    what backend_name says; the sm90 kernels refuse to be built."""
+    """validate_device passes and reports 148 SMs; ``state.backend`` names
+    the backend the GPU gets; the sm90 kernels refuse to be built."""
+    from flashgemm import backend
     from flashgemm.sm90 import build as sm90_build
 
     state = types.SimpleNamespace(backend="sm90")
     monkeypatch.setattr(api, "validate_device", lambda *args, **kw: 148)
-    monkeypatch.setattr(api, "backend_name", lambda cap: state.backend)
-    monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(backend, "for_capability", lambda cap: backend.get(state.backend))
+    monkeypatch.setattr(api, "_PLANS", PlanCache())
 
     def no_sm90(*args, **kw):
         raise AssertionError("an sm90 kernel was requested")
@@ -313,16 +316,11 @@ def test_hopper_refuses_blackwell_formats_before_launch(stub_device, case):
         call(case())
 
 
-class _RecordingPlan:
-    def __init__(self, record):
-        self.record = record
+def _recording_plan(record):
+    from flashgemm.plan import LaunchPlan
 
-    def pointers_ok(self, *args):
-        return True
-
-    def launch(self, a, b, out, masked_m, a_scale, b_scale, dst_signals, extra=()):
-        self.record.append(("launch", a, a_scale, extra))
-        return out
+    return LaunchPlan(lambda *xs: record.append(("launch", xs)), ("a", "a_scale", "alpha"), {}, out_shape=(1,),
+                      out_dtype=torch.bfloat16, copy_a_scale=False, counter_device=None, views=(), routed=False, layout=None)
 
 
 @pytest.mark.parametrize("case", [mxfp8_case, nvfp4_case])
@@ -332,9 +330,9 @@ def test_sm100_gpu_goes_to_the_sm100_plan_once_per_signature(stub_device, monkey
     stub_device.backend = "sm100"
     record = []
 
-    def make_plan(fmt, sizes, *rest):
-        record.append(("plan", fmt, sizes, rest[6]))  # rest[6]: alpha
-        return _RecordingPlan(record)
+    def make_plan(c):
+        record.append(("plan", c.fmt, c.sizes, c.tensors["alpha"]))
+        return _recording_plan(record)
 
     monkeypatch.setattr(launch, "make_plan", make_plan)
     args = case()
@@ -343,8 +341,7 @@ def test_sm100_gpu_goes_to_the_sm100_plan_once_per_signature(stub_device, monkey
     fmt = Format.MXFP8 if case is mxfp8_case else Format.NVFP4
     assert [r[0] for r in record] == ["plan", "launch", "launch"]
     assert record[0][1] is fmt and record[0][2] == (E, M, N, K) and record[0][3] is args["alpha"]
-    assert record[1][1] is args["a"] and record[1][2] is args["a_scale"]
-    assert record[1][3] == (() if args["alpha"] is None else (args["alpha"],))
+    assert record[1][1] == (args["a"], args["a_scale"], args["alpha"])
 
 
 def test_sm100_gpu_serves_bf16_too(stub_device, monkeypatch):
@@ -352,7 +349,7 @@ def test_sm100_gpu_serves_bf16_too(stub_device, monkeypatch):
 
     stub_device.backend = "sm100"
     seen = []
-    monkeypatch.setattr(launch, "make_plan", lambda fmt, *rest: seen.append(fmt) or _RecordingPlan([]))
+    monkeypatch.setattr(launch, "make_plan", lambda c: seen.append(c.fmt) or _recording_plan([]))
     a = torch.zeros(2, 16, 64, dtype=torch.bfloat16)
     flashgemm.grouped_gemm_nt_masked(a, torch.zeros(2, 32, 64, dtype=torch.bfloat16), None,
                                      torch.ones(2, dtype=torch.int32))
@@ -379,35 +376,40 @@ def test_grid_is_whole_clusters_within_num_sms_and_the_tiles():
         grid_ctas(_choice(2, (256, 128)), 4, 512, 512, 1)
 
 
-def test_sm100_plan_calls_the_kernel_in_its_argument_order():
-    from flashgemm.sm100.launch import Sm100Plan
+def _sm100_plan(fn, tensors, blockwise=False, **facts):
+    from flashgemm.plan import LaunchPlan
+    from flashgemm.sm100.blockwise_build import BlockwiseSpec
+    from flashgemm.sm100.config import Sm100Spec
 
+    facts = {"layout": None, "out_shape": None, "out_dtype": torch.bfloat16, "copy_a_scale": False,
+             "counter_device": None, "views": (), "routed": False, **facts}
+    return LaunchPlan(fn, (BlockwiseSpec if blockwise else Sm100Spec).SLOTS, tensors, scalars=(facts.pop("num_ctas"),),
+                      written=("out", "signals"), **facts)
+
+
+def test_sm100_plan_calls_the_kernel_in_its_argument_order():
     calls = []
     args = nvfp4_case()
-    a, b, out, mm, sa, sb, alpha = (args[k] for k in ("a", "b", "out", "masked_m", "a_scale", "b_scale", "alpha"))
     sig = torch.zeros(16, dtype=torch.int32)
-    plan = Sm100Plan(fn=lambda *xs: calls.append(xs), blockwise=False, num_ctas=146, layout="L",
-                     out_shape=(E, M, N), copy_a_scale=False, views=(), aligned=(), written=(3, 6),
-                     extents=tuple(t.numel() * t.element_size() for t in (a, b, mm, out, sa, sb, sig, alpha)),
-                     spec=None)
-    assert plan.pointers_ok(a, b, mm, out, sa, sb, sig, (alpha,))
-    assert plan.launch(a, b, out, mm, sa, sb, sig, (alpha,)) == (out, "L")
-    assert calls == [(a, b, sa, sb, alpha, out, mm, sig, 146)]
+    tensors = {k: args[k] for k in ("a", "b", "out", "masked_m", "a_scale", "b_scale", "alpha")}
+    tensors["signals"] = sig
+    plan = _sm100_plan(lambda *xs: calls.append(xs), tensors, num_ctas=146, layout="L", out_shape=(E, M, N))
+    assert plan.pointers_ok(tensors)
+    assert api._launch(plan, dict(tensors)) == (tensors["out"], "L")
+    t = tensors
+    assert calls == [(t["a"], t["b"], t["a_scale"], t["b_scale"], t["alpha"], t["out"], t["masked_m"], sig, 146)]
     # the signals inside out: refused by the per-call check
-    sig2 = out.view(-1)[:32].view(torch.int32)
-    assert not plan.pointers_ok(a, b, mm, out, sa, sb, sig2, (alpha,))
+    assert not plan.pointers_ok({**tensors, "signals": tensors["out"].view(-1)[:32].view(torch.int32)})
 
 
 def test_blockwise_plan_takes_no_alpha_and_copies_a_k_major_a_scale():
-    from flashgemm.sm100.launch import Sm100Plan
-
     calls = []
     a = torch.zeros(2, 8, 256, dtype=torch.float8_e4m3fn)
     sa = torch.rand(2, 8, 2)  # K-block contiguous: copied into the M-contiguous layout
-    plan = Sm100Plan(fn=lambda *xs: calls.append(xs), blockwise=True, num_ctas=4, layout=None,
-                     out_shape=(2, 8, 128), copy_a_scale=True, views=(), aligned=(), written=(),
-                     extents=(), spec=None)
-    out = plan.launch(a, a, None, None, sa, None, None)
+    tensors = {"a": a, "b": a, "out": None, "masked_m": None, "a_scale": sa, "b_scale": None, "signals": None}
+    plan = _sm100_plan(lambda *xs: calls.append(xs), tensors, blockwise=True, num_ctas=4, out_shape=(2, 8, 128),
+                       copy_a_scale=True)
+    out = api._launch(plan, dict(tensors))
     (x, _, sa_passed, _, out_passed, _, _, n_ctas), = calls
     assert out_passed is out and out.shape == (2, 8, 128) and out.dtype == torch.bfloat16 and n_ctas == 4
     assert sa_passed.stride(1) == 1 and torch.equal(sa_passed, sa)
@@ -441,7 +443,6 @@ def test_signal_layout_on_sm100_uses_the_sm100_choice(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(api, "device_facts", lambda index: ((10, 0), 148, "B200 (fake)"))
-    monkeypatch.setattr(api, "backend_name", lambda cap: "sm100" if cap[0] == 10 else None)
     seen = []
 
     def choose(fmt, e, max_m, n, k, expected_m, grid_cap, config, mode):

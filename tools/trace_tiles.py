@@ -32,7 +32,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "benchmarks")]
 from flashgemm import trace  # noqa: E402
-from flashgemm.api import _make_plan  # noqa: E402
+from flashgemm.api import CallArgs, _make_plan  # noqa: E402
 from flashgemm.config import KernelSpec  # noqa: E402
 from flashgemm.formats import Format  # noqa: E402
 from flashgemm.quant import quantize_fp8_per_block, quantize_fp8_per_token  # noqa: E402
@@ -56,7 +56,7 @@ def trace_case(case, seed, fp8, num_sms=None):
     # for it, capped at num_sms when given
     cfg = choose_config(case["expected_m"], max_m, n, k,
                         torch.cuda.get_device_properties(0).multi_processor_count, fp8, e)
-    plan = _make_plan(a, b, out, masked_m, sa, sb, case["expected_m"], num_sms, cfg, None, "m_block")
+    plan = _make_plan(CallArgs(a, b, out, masked_m, sa, sb, case["expected_m"], num_sms, cfg))
     fn = build(KernelSpec(cfg, Format.FP8_BLOCK128 if fp8 else Format.BF16), trace=True)
     buf = torch.zeros(plan.num_ctas * trace.SLOTS, dtype=torch.int32, device="cuda")
     counter = claim_counter(torch.cuda.current_device()) if cfg.dynamic else None

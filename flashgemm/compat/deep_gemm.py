@@ -25,7 +25,8 @@ import torch
 
 from ..api import grouped_gemm_nt_masked
 from ..jit.arch import device_facts
-from ..sm90.heuristic import choose_config
+from .. import backend as backends
+from ..formats import Format
 
 OVERLAP_BLOCK_M = 64  # DeepEP's overlapping combine asserts 64-row blocks
 _DECODE_M = 1  # any expected_m <= 48 picks the heuristic's 64-row decode tile
@@ -45,7 +46,8 @@ def _overlap_config(a, b, num_sms, fp8):
                          f"sm_90 kernels publish; this GPU is sm_{capability[0]}{capability[1]}. Use "
                          "flashgemm.grouped_gemm_nt_masked(..., dst_signals=) with its signal_layout instead")
     sms = num_sms or sm_count
-    cfg = choose_config(_DECODE_M, max_m, b.shape[1], k, sms, fp8, e_count, signals=True)
+    cfg = backends.for_capability(capability).choose_config(
+        Format.FP8_BLOCK128 if fp8 else Format.BF16, _DECODE_M, max_m, b.shape[1], k, sms, e_count, signals=True)
     if cfg.tile_m != OVERLAP_BLOCK_M:  # (the decode regime's tiles are 64 rows high)
         raise RuntimeError(f"the overlap form needs {OVERLAP_BLOCK_M}-row tiles, the heuristic gave {cfg.tile_m}")
     return cfg

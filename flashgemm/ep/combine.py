@@ -27,6 +27,7 @@ from ..jit.fakes import row_major
 from ..jit.options import compile_options
 from ..signals import SignalLayout, check_rows_per_item
 from .buffers import FLAG_WORDS, RECV_DTYPE, STATE_WORDS, SUM_DTYPES, TokenBuffers
+from ..plan import LaunchPlan, PlanCache, planned
 from .plan import CombineRouting
 
 DEFAULT_MAX_POLLS = 20_000_000  # back-off <= 256 ns (signals) or 1024 ns (peers): 5-20 s, not a hang
@@ -213,11 +214,11 @@ def ep_kernel_jobs(arch: str, block_ms, top_ks=EP_TOP_KS) -> list:
 def precompile(top_ks=EP_TOP_KS, *, arch: Optional[str] = None, cache_dir: Optional[str] = None) -> int:
     """Store every EP kernel (``ep_kernel_jobs``) in the disk cache, without a
     GPU, next to ``flashgemm.precompile``'s GEMMs; returns how many."""
-    from ..sm90.build import combine_block_ms
-    from ..sm90.heuristic import reachable_specs
+    from .. import backend
 
     arch = ensure_arch_env(arch or default_arch())
-    jobs = ep_kernel_jobs(arch, combine_block_ms(reachable_specs()), top_ks)
+    be = backend.for_arch(arch)
+    jobs = ep_kernel_jobs(arch, be.signal_block_ms(be.reachable_specs()), top_ks)
     for _, key, make in jobs:
         cache.store(key, make, cache_dir)
     return len(jobs)
@@ -317,13 +318,43 @@ def combine_to_owners(
     rows_per_item = DEFAULT_EP_ROWS_PER_ITEM if rows_per_item is None else rows_per_item
     if err is None and isinstance(y, torch.Tensor):
         err = torch.zeros(1, dtype=torch.int32, device=y.device)
-    check_combine_args(y, masked_m, dst_signals, layout, routing, buffers, num_sms, max_polls,
-                       rows_per_item, err)
-    fn = get_ep_combine(layout.block_m, rows_per_item)
-    fn(y, masked_m, dst_signals, routing.src_rank, routing.src_token, routing.src_slot, routing.weight,
-       buffers.peer_recv, buffers.peer_flags, buffers.flags, buffers.state, err, buffers.max_tokens,
-       buffers.top_k, buffers.rank, layout.n_tiles, max_polls, num_sms)
+    tensors = {"y": y, "masked_m": masked_m, "signals": dst_signals, **_routing_tensors(routing),
+               **_buffer_tensors(buffers), "err": err}
+
+    def make():
+        check_combine_args(y, masked_m, dst_signals, layout, routing, buffers, num_sms, max_polls,
+                           rows_per_item, err)
+        return LaunchPlan(get_ep_combine(layout.block_m, rows_per_item), COMBINE_SLOTS, tensors,
+                          scalars=(buffers.max_tokens, buffers.top_k, buffers.rank, layout.n_tiles, max_polls,
+                                   num_sms),
+                          aligned=("y",), written=("err", "flags", "state"))
+
+    planned(_PLANS, "ep_combine", tensors, (layout, num_sms, max_polls, rows_per_item, *_buffer_facts(buffers)),
+            make).launch(tensors)
     return err
+
+
+# the compiled kernels' tensor parameters (``combine_kernel``, ``sum_kernel``)
+COMBINE_SLOTS = ("y", "masked_m", "signals", "src_rank", "src_token", "src_slot", "weight", "peer_recv",
+                 "peer_flags", "flags", "state", "err")
+COMPLETE_SLOTS = ("peer_flags", "flags", "state", "err")
+SUM_SLOTS = ("recv", "ids", "tokens")
+_PLANS = PlanCache(1024)
+
+
+def _routing_tensors(routing) -> dict:
+    names = ("src_rank", "src_token", "src_slot", "weight")
+    return {name: getattr(routing, name, None) for name in names}
+
+
+def _buffer_tensors(buffers) -> dict:
+    names = ("recv", "tokens", "peer_recv", "peer_flags", "flags", "state")
+    return {name: getattr(buffers, name, None) for name in names}
+
+
+def _buffer_facts(buffers) -> tuple:
+    """What the checks read of the buffers beside their tensors."""
+    return tuple(getattr(buffers, name, None) for name in ("world_size", "rank", "max_tokens", "top_k", "hidden"))
 
 
 def _check_polls(max_polls) -> None:
@@ -336,12 +367,18 @@ def complete(buffers: TokenBuffers, err: torch.Tensor, *, max_polls: int = DEFAU
     that stored its rows into the peers itself (``Combine.peers``): tells
     every peer this rank is done and waits, bounded, for every peer. Sets
     ``err`` as ``combine_to_owners`` does (bits 4 and 8)."""
-    _check_polls(max_polls)
-    if not isinstance(err, torch.Tensor) or err.device.type != "cuda":
-        raise ValueError("err must be a [1] int32 CUDA tensor")
-    check_buffers(buffers, buffers.hidden, err.device)
-    _check("err", err, torch.int32, (1,), err.device)
-    get_ep_complete()(buffers.peer_flags, buffers.flags, buffers.state, err, buffers.rank, max_polls)
+    tensors = {**_buffer_tensors(buffers), "err": err}
+
+    def make():
+        _check_polls(max_polls)
+        if not isinstance(err, torch.Tensor) or err.device.type != "cuda":
+            raise ValueError("err must be a [1] int32 CUDA tensor")
+        check_buffers(buffers, buffers.hidden, err.device)
+        _check("err", err, torch.int32, (1,), err.device)
+        return LaunchPlan(get_ep_complete(), COMPLETE_SLOTS, tensors, scalars=(buffers.rank, max_polls),
+                          written=("err", "flags", "state"))
+
+    planned(_PLANS, "ep_complete", tensors, (max_polls, *_buffer_facts(buffers)), make).launch(tensors)
     return err
 
 
@@ -350,19 +387,27 @@ def finalize(buffers: TokenBuffers, topk_ids: torch.Tensor) -> torch.Tensor:
     (``topk_ids >= 0``) of its received rows, in slot order, accumulated in
     fp32 (deterministic); unrouted slots, which nobody wrote, are not read.
     On the current stream, after the completion step; returns that view."""
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
-        raise ValueError(f"topk_ids must be a [T, k] tensor, got {getattr(topk_ids, 'shape', type(topk_ids))}")
-    t, k = topk_ids.shape
-    if k != buffers.top_k or t > buffers.max_tokens:
-        raise ValueError(f"topk_ids must be [T <= {buffers.max_tokens}, k = {buffers.top_k}], got {(t, k)}")
-    if topk_ids.dtype not in _ID_TYPES:
-        raise TypeError(f"topk_ids must have dtype int32 or int64, got {topk_ids.dtype}")
-    if topk_ids.device != buffers.recv.device:
-        raise ValueError(f"topk_ids is on {topk_ids.device}, the buffers on {buffers.recv.device}")
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    out = buffers.tokens[:t]
+    tensors = {"recv": getattr(buffers, "recv", None), "ids": topk_ids, "tokens": getattr(buffers, "tokens", None)}
+
+    def make():
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+            raise ValueError(f"topk_ids must be a [T, k] tensor, got {getattr(topk_ids, 'shape', type(topk_ids))}")
+        t, k = topk_ids.shape
+        if k != buffers.top_k or t > buffers.max_tokens:
+            raise ValueError(f"topk_ids must be [T <= {buffers.max_tokens}, k = {buffers.top_k}], got {(t, k)}")
+        if topk_ids.dtype not in _ID_TYPES:
+            raise TypeError(f"topk_ids must have dtype int32 or int64, got {topk_ids.dtype}")
+        if topk_ids.device != buffers.recv.device:
+            raise ValueError(f"topk_ids is on {topk_ids.device}, the buffers on {buffers.recv.device}")
+        sm_count = device_facts(topk_ids.device.index)[1]
+        return LaunchPlan(get_token_sum(k, topk_ids.dtype, buffers.tokens.dtype), SUM_SLOTS, tensors,
+                          scalars=(max(1, min(t, sm_count * SUM_CTAS_PER_SM)),), aligned=("recv", "tokens"),
+                          written=("tokens",))
+
+    plan = planned(_PLANS, "ep_token_sum", tensors, _buffer_facts(buffers), make)
+    t = topk_ids.shape[0]
     if t:
-        sm_count = device_facts(ids.device.index)[1]
-        get_token_sum(k, ids.dtype, out.dtype)(buffers.recv, ids, buffers.tokens,
-                                               min(t, sm_count * SUM_CTAS_PER_SM))
-    return out
+        if not topk_ids.is_contiguous():
+            tensors["ids"] = topk_ids.contiguous()
+        plan.launch(tensors)
+    return buffers.tokens[:t]

@@ -189,7 +189,7 @@ class EpCombineSm90:
 
         # the CTA's stores are performed system-wide before it counts as done: the
         # barrier orders them before thread 0's fence, which is cumulative (one
-        # fence per CTA; a fence in every thread cost ~20 us a launch, docs/design.md)
+        # fence per CTA rather than one per thread: docs/design.md)
         cute.arch.sync_threads()
         if tidx == 0:
             cute.arch.fence_acq_rel_sys()

@@ -31,6 +31,7 @@ from ..jit.arch import default_arch, device_facts, ensure_arch_env
 from ..jit.fakes import row_major
 from ..jit.key import cache_key
 from ..jit.options import compile_options
+from ..plan import LaunchPlan, PlanCache, planned
 from .buffers import FLAG_WORDS, STATE_WORDS, alloc_symmetric, symmetric_group
 from .dispatch import Dispatched
 from .plan import CombineRouting, Placement, check_int
@@ -299,11 +300,24 @@ def dispatch_on_device(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     topk_ids: [T, k] int32/int64 global ids (-1: not routed); topk_weights:
     [T, k] float32. Bad ids and overflows are reported in ``buffers.err``
     (``combine.check_error`` reads it after the layer)."""
-    check_dispatch_args(x, topk_ids, topk_weights, buffers, max_polls)
-    lay = buffers.layout
-    sm_count = device_facts(x.device.index)[1]
-    fn = get_ep_dispatch(buffers.top_k, lay.fp8, topk_ids.dtype)
-    fn(x, topk_ids, topk_weights, buffers.peer_base, buffers.flags, buffers.counters, buffers.masked_m,
-       buffers.state, buffers.err, lay.counters, lay.meta, lay.x, lay.scale, lay.max_m, buffers.rank, max_polls,
-       max(1, min(x.shape[0], sm_count * CTAS_PER_SM)))
+    names = ("peer_base", "flags", "counters", "masked_m", "state", "err")
+    tensors = {"x": x, "topk_ids": topk_ids, "topk_weights": topk_weights,
+               **{name: getattr(buffers, name, None) for name in names}}
+
+    def make():
+        check_dispatch_args(x, topk_ids, topk_weights, buffers, max_polls)
+        lay = buffers.layout
+        sm_count = device_facts(x.device.index)[1]
+        return LaunchPlan(get_ep_dispatch(buffers.top_k, lay.fp8, topk_ids.dtype), DISPATCH_SLOTS, tensors,
+                          scalars=(lay.counters, lay.meta, lay.x, lay.scale, lay.max_m, buffers.rank, max_polls,
+                                   max(1, min(x.shape[0], sm_count * CTAS_PER_SM))),
+                          aligned=("x",), written=("flags", "counters", "masked_m", "state", "err"))
+
+    facts = (max_polls, buffers.layout, buffers.rank, buffers.world_size, buffers.top_k)
+    planned(_PLANS, "ep_dispatch", tensors, facts, make).launch(tensors)
     return Dispatched(buffers.x, buffers.x_scale, buffers.masked_m, buffers.routing, None, None)
+
+
+# the compiled kernel's tensor parameters (``dispatch_kernel.EpDispatchSm90``)
+DISPATCH_SLOTS = ("x", "topk_ids", "topk_weights", "peer_base", "flags", "counters", "masked_m", "state", "err")
+_PLANS = PlanCache(1024)

@@ -4,8 +4,7 @@ A compiled TVM-FFI function is exported with ``export_to_c`` to
 ``<dir>/<sha>.o`` and, where a C compiler is available, linked into
 ``<sha>.so``. The next process loads the ``.so`` with plain ``tvm_ffi`` after
 preloading the DSL's small runtime library: no compile and no import of the
-CuTe DSL (0.5-0.8 s of import on the 2-core CPU machine, against ~5 ms for the
-load). Without the ``.so`` it falls back to ``cute.runtime.load_module`` on the
+CuTe DSL (the import's cost against the load's: docs/design.md). Without the ``.so`` it falls back to ``cute.runtime.load_module`` on the
 object file. ``<sha>`` hashes the full cache key
 (package and DSL versions, arch, dtypes, configuration, signal mode), so a
 kernel built for another arch or version is simply a different file: a miss,

@@ -11,7 +11,7 @@ from ..jit import cache
 from ..jit.arch import default_arch, device_facts, ensure_arch_env
 from ..jit.key import cache_key
 from ..jit.options import compile_options
-from ..validation import _TMA_ALIGN, _check_tensor
+from ..validation import TMA_ALIGN, check_tensor
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 128
@@ -39,17 +39,17 @@ def check_h_out(out, out_scale, shape: tuple, fp8: bool) -> None:
     elif out_scale is not None:
         raise ValueError("out_scale is only for fp8 output")
     if out is not None:
-        _check_tensor("out", out, 3, (FP8 if fp8 else torch.bfloat16,))
-        if tuple(out.shape) != shape or out.stride(2) != 1 or any(st * out.element_size() % _TMA_ALIGN
+        check_tensor("out", out, 3, (FP8 if fp8 else torch.bfloat16,))
+        if tuple(out.shape) != shape or out.stride(2) != 1 or any(st * out.element_size() % TMA_ALIGN
                                                                   for st in out.stride()[:2]):
             raise ValueError(f"out must be {shape}, contiguous along its last dim with 16-byte-aligned strides, "
                              f"got shape {tuple(out.shape)}, strides {out.stride()}")
     if out_scale is not None:
-        _check_tensor("out_scale", out_scale, 3, (torch.float32,))
+        check_tensor("out_scale", out_scale, 3, (torch.float32,))
         want = (shape[0], shape[1], shape[2] // SCALE_BLOCK)
         st = out_scale.stride()
         if tuple(out_scale.shape) != want or st[1] != 1 or st[0] % 4 or st[2] % 4 \
-                or out_scale.data_ptr() % _TMA_ALIGN:
+                or out_scale.data_ptr() % TMA_ALIGN:
             raise ValueError(f"out_scale must be fp32 {want}, M contiguous with 16-byte-aligned strides "
                              "(alloc_fp8_input)")
 
@@ -92,6 +92,16 @@ def activation_key(arch: str, fp8: bool) -> tuple:
     return cache_key(arch, "silu_mul", fp8)
 
 
+def activation_jobs(arch: str, fp8s=(True, False)) -> list:
+    """``backend.CompileJob`` of the activation kernels (arch-neutral): the
+    fp8 one converts to e4m3, the bf16 one does not."""
+    from ..backend import CompileJob
+
+    return [CompileJob(f"moe-silu_mul-{'fp8' if fp8 else 'bf16'}", activation_key(arch, fp8),
+                       lambda keep, fp8=fp8: build(fp8, arch, keep_ptx=keep),
+                       lambda feats, fp8=fp8: ("fp8-cvt" in feats) == fp8) for fp8 in fp8s]
+
+
 def get_kernel(fp8: bool, arch: Optional[str] = None):
     arch = arch or default_arch()
     return cache.cached(activation_key(arch, fp8), lambda: _build(fp8, arch))
@@ -114,8 +124,8 @@ def silu_mul(
     fp32 [E, max_m, I/128] M-contiguous), the down GEMM's a / a_scale; else h
     bf16 (I a multiple of 8). Rows >= m_e are neither read nor written.
     ``out`` / ``out_scale``: preallocated outputs (``alloc_fp8_input``)."""
-    _check_tensor("gate_up", gate_up, 3, (torch.bfloat16,))
-    _check_tensor("masked_m", masked_m, 1, (torch.int32,))
+    check_tensor("gate_up", gate_up, 3, (torch.bfloat16,))
+    check_tensor("masked_m", masked_m, 1, (torch.int32,))
     e_count, max_m, two_i = gate_up.shape
     inter = two_i // 2
     mult = SCALE_BLOCK if fp8 else 8
@@ -124,8 +134,8 @@ def silu_mul(
             f"gate_up's last dim must be 2 * I with I a positive multiple of {mult} "
             f"({'fp8 scale blocks' if fp8 else '16-byte rows'}), got {two_i}"
         )
-    if gate_up.stride(2) != 1 or any(st * 2 % _TMA_ALIGN for st in gate_up.stride()[:2]) \
-            or gate_up.data_ptr() % _TMA_ALIGN:
+    if gate_up.stride(2) != 1 or any(st * 2 % TMA_ALIGN for st in gate_up.stride()[:2]) \
+            or gate_up.data_ptr() % TMA_ALIGN:
         raise ValueError("gate_up must be contiguous along its last dim with 16-byte-aligned strides and base")
     if masked_m.shape[0] != e_count:
         raise ValueError(f"masked_m must have E={e_count} entries, got {masked_m.shape[0]}")

@@ -15,15 +15,15 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..config import SWIGLU_GRANULE, Epilogue, KernelSpec
+from .. import backend as backends
+from ..config import SWIGLU_GRANULE, Epilogue
 from ..formats import Format
-from ..jit.arch import device_facts
-from ..sm90.heuristic import choose_activation_config
-from ..sm90.limits import check_config
+from ..jit.arch import default_arch, device_facts
+from ..plan import PlanCache, planned
 from ..validation import (
-    _FP8,
-    _byte_span,
-    _check_tensor,
+    FP8,
+    byte_span,
+    check_tensor,
     check_expected_m,
     check_no_alias,
     tma_ready_a_scale,
@@ -50,17 +50,17 @@ def interleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None) 
     group's rows lie in one 128-row block of w13). Returns an
     ``InterleavedW13`` (weight, scale) with scale None for bf16; I must be a
     multiple of 64 (128 for fp8)."""
-    _check_tensor("w13", w13, 3, (_FP8, torch.bfloat16))
+    check_tensor("w13", w13, 3, (FP8, torch.bfloat16))
     e_count, two_i, hidden = w13.shape
-    inter = _check_inter(w13, w13.dtype == _FP8)
+    inter = _check_inter(w13, w13.dtype == FP8)
     groups = inter // SWIGLU_GRANULE
     w = w13.reshape(e_count, 2, groups, SWIGLU_GRANULE, hidden).transpose(1, 2)
     w = w.reshape(e_count, two_i, hidden).contiguous()
-    if w13.dtype != _FP8:
+    if w13.dtype != FP8:
         if w13_scale is not None:
             raise ValueError("w13_scale is only for float8_e4m3fn weights")
         return InterleavedW13(w, None)
-    _check_tensor("w13_scale", w13_scale, 3, (torch.float32,))
+    check_tensor("w13_scale", w13_scale, 3, (torch.float32,))
     want = (e_count, two_i // SCALE_BLOCK, -(-hidden // SCALE_BLOCK))
     if tuple(w13_scale.shape) != want:
         raise ValueError(f"w13_scale must be (E, 2I/128, ceil(H/128)) = {want}, got {tuple(w13_scale.shape)}")
@@ -93,8 +93,7 @@ def deinterleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None
     return w.contiguous(), torch.cat([gate, up], dim=1).contiguous()
 
 
-_PLANS: dict = {}
-_MAX_PLANS = 1024
+_PLANS = PlanCache(1024)
 
 
 def gate_up_swiglu(
@@ -120,81 +119,44 @@ def gate_up_swiglu(
         raise TypeError(f"w13 must be the InterleavedW13 that interleave_w13(w13, w13_scale) returns, got "
                         f"{type(w13).__name__}: a checkpoint-layout w13 would give wrong h")
     w13, w13_scale = w13
-    fp8 = isinstance(x, torch.Tensor) and x.dtype == _FP8
+    fp8 = isinstance(x, torch.Tensor) and x.dtype == FP8
     if torch.compiler.is_compiling():
         if out is not None or out_scale is not None:
             raise ValueError("out and out_scale cannot be traced by torch.compile; call gate_up_swiglu "
                              "outside the compiled region for them")
         h, h_scale = torch.ops.flashgemm.gate_up_swiglu(x, w13, masked_m, x_scale, w13_scale, expected_m, num_sms)
         return (h, h_scale) if fp8 else h
-    key = None
-    try:
-        key = (x.dtype, x.shape, x.stride(), x.device, w13.shape, w13.stride(), masked_m.shape,
-               None if x_scale is None else (x_scale.shape, x_scale.stride()),
-               None if w13_scale is None else (w13_scale.shape, w13_scale.stride()),
-               out is None, None if out is None else (out.dtype, out.shape, out.stride()),
-               None if out_scale is None else (out_scale.shape, out_scale.stride()),
-               expected_m, type(expected_m), num_sms, type(num_sms))
-        plan = _PLANS.get(key)
-    except (AttributeError, TypeError):
-        plan = None
-    ptrs = None
-    if plan is not None:
-        ptrs = _pointers(x, w13, masked_m, x_scale, w13_scale, out, out_scale)
-    if plan is None or ptrs != plan.last_ok:
-        plan = _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m, num_sms)
-        if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
-        plan.last_ok = _pointers(x, w13, masked_m, x_scale, w13_scale, out, out_scale)
-    e_count, max_m, inter = plan.h_shape
+    tensors = {"a": x, "b": w13, "out": out, "masked_m": masked_m, "a_scale": x_scale, "b_scale": w13_scale,
+               "out_scale": out_scale}
+    plan = planned(_PLANS, "gate_up_swiglu", tensors, (expected_m, num_sms), lambda: _make_plan(
+        x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m, num_sms))
+    e_count, max_m, inter = plan.out_shape
     if fp8:
         if out is None:
-            out, out_scale = alloc_fp8_input(e_count, max_m, inter, x.device)
-        if plan.copy_x_scale:
-            x_scale = tma_ready_a_scale(x_scale)
+            tensors["out"], tensors["out_scale"] = alloc_fp8_input(e_count, max_m, inter, x.device)
     elif out is None:
-        out = torch.empty(plan.h_shape, dtype=torch.bfloat16, device=x.device)
-    plan.fn(x, w13, out, masked_m, None, x_scale, w13_scale, plan.counter(), None, None, None, None, None,
-            out_scale, plan.num_ctas)
-    return (out, out_scale) if fp8 else out
-
-
-class _Plan:
-    """The checks' result for one argument signature: kernel and grid."""
-
-    def __init__(self, fn, num_ctas, h_shape, copy_x_scale, counter_device):
-        self.fn, self.num_ctas, self.h_shape = fn, num_ctas, h_shape
-        self.copy_x_scale, self.counter_device = copy_x_scale, counter_device
-        self.last_ok = None  # the addresses of the last checked call
-
-    def counter(self):
-        if self.counter_device is None:
-            return None
+        tensors["out"] = torch.empty(plan.out_shape, dtype=torch.bfloat16, device=x.device)
+    if plan.copy_a_scale:
+        tensors["a_scale"] = tma_ready_a_scale(x_scale)
+    if plan.counter_device is not None:
         from .. import workspace
 
-        return workspace.claim_counter(self.counter_device)
+        tensors["counter"] = workspace.claim_counter(plan.counter_device)
+    plan.launch(tensors)
+    return (tensors["out"], tensors["out_scale"]) if fp8 else tensors["out"]
 
 
-
-def _pointers(*tensors) -> tuple:
-    # a plan is reused as is for the same buffers; new addresses go through
-    # every check again (alignment and aliasing depend on them)
-    return tuple(None if t is None else t.data_ptr() for t in tensors)
-
-
-def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m, num_sms) -> _Plan:
+def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m, num_sms):
     """Every check, before anything launches."""
-    _check_tensor("x", x, 3, (_FP8, torch.bfloat16))
-    _check_tensor("w13", w13, 3, (x.dtype,))
-    fp8 = x.dtype == _FP8
+    check_tensor("x", x, 3, (FP8, torch.bfloat16))
+    check_tensor("w13", w13, 3, (x.dtype,))
+    fp8 = x.dtype == FP8
     e_count, max_m, hidden = x.shape
     inter = _check_inter(w13, fp8)
     two_i = 2 * inter
     scale_view = None
     if fp8:
-        _check_tensor("w13_scale", w13_scale, 3, (torch.float32,))
+        check_tensor("w13_scale", w13_scale, 3, (torch.float32,))
         want = (e_count, two_i // SWIGLU_GRANULE, -(-hidden // SCALE_BLOCK))
         if tuple(w13_scale.shape) != want:
             raise ValueError(f"w13_scale must be the interleaved scales (E, 2I/64, ceil(H/128)) = {want} "
@@ -207,9 +169,9 @@ def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m,
     h_shape = (e_count, max_m, inter)
     check_h_out(out, out_scale, h_shape, fp8)
     if out is not None:
-        written = {"out": _byte_span(out)}
+        written = {"out": byte_span(out)}
         if out_scale is not None:
-            written["out_scale"] = _byte_span(out_scale)
+            written["out_scale"] = byte_span(out_scale)
         inputs = {"x": x, "w13": w13, "masked_m": masked_m, "x_scale": x_scale, "w13_scale": w13_scale}
         for name, span in written.items():
             check_no_alias(name, span, {**inputs, **{k: v for k, v in written.items() if k != name}})
@@ -219,21 +181,17 @@ def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m,
         {"x": x, "w13": w13, "masked_m": masked_m, "x_scale": x_scale, "w13_scale": w13_scale, "out": out,
          "out_scale": out_scale}, num_sms, capability, sm_count, name,
     )
-    if capability[0] != 9:
-        raise ValueError(f"gate_up_swiglu runs on sm_90 (Hopper) only; {x.device} is sm_{capability[0]}{capability[1]}")
+    be = backends.for_capability(capability) or backends.for_arch(default_arch())
+    epilogue = Epilogue.SWIGLU_FP8 if fp8 else Epilogue.SWIGLU_BF16
+    if epilogue not in be.epilogues:
+        raise ValueError(f"gate_up_swiglu runs on sm_90 (Hopper) only; {x.device} is "
+                         f"sm_{capability[0]}{capability[1]}")
     if fp8 and grid_cap < 2:
         raise ValueError(f"num_sms must be >= 2 for fp8 (the fused SwiGLU runs 2-CTA clusters), got {grid_cap}")
-    config = choose_activation_config(expected_m, max_m, two_i, hidden, grid_cap, fp8, e_count)
     fmt = Format.FP8_BLOCK128 if fp8 else Format.BF16
-    epilogue = Epilogue.SWIGLU_FP8 if fp8 else Epilogue.SWIGLU_BF16
-    check_config(config, fmt, epilogue)
-    from ..sm90.build import get_kernel
-
-    fn = get_kernel(KernelSpec(config, fmt, None, epilogue))
-    if config.dynamic:
-        from .. import workspace
-
-        workspace.prepare_graph_counters(index)
-    num_ctas = config.cluster_n * config.grid_clusters(e_count, max_m, two_i, grid_cap)
-    return _Plan(getattr(fn, "__tvm_ffi_object__", lambda: None)() or fn, num_ctas, h_shape,
-                 fp8 and tma_ready_a_scale(x_scale, check_only=True), index if config.dynamic else None)
+    return be.make_plan(backends.GemmCall(
+        fmt=fmt, sizes=(e_count, max_m, two_i, hidden),
+        tensors={"a": x, "b": w13, "out": out, "masked_m": masked_m, "a_scale": x_scale, "b_scale": w13_scale,
+                 "out_scale": out_scale},
+        routing=(), combine=None, expected_m=expected_m, config=None, granularity="m_block",
+        grid_cap=grid_cap, device_index=index, epilogue=epilogue))

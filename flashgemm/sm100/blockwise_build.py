@@ -24,7 +24,7 @@ serves every shape.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
 from ..jit import cache
 from ..jit.arch import default_arch, ensure_arch_env
@@ -46,6 +46,8 @@ class BlockwiseSpec:
     tile_n: int = BLOCK
     stages: int = 5
     signal_mode: Optional[str] = None  # None, "m_block" or "expert" (signals.py)
+    # the compiled function's tensor parameters, then the grid size (``blockwise``)
+    SLOTS: ClassVar[tuple] = ("a", "b", "a_scale", "b_scale", "out", "masked_m", "signals")
 
     def __post_init__(self):
         if self.tile_n != BLOCK:

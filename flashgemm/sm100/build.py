@@ -36,16 +36,13 @@ never recompiles. Signals follow ``flashgemm.signals`` with the block of
 
 from __future__ import annotations
 
-import sys
-import time
-from typing import Iterable, Optional
+from typing import Optional
 
 from ..formats import Format
 from ..jit import cache
 from ..jit.arch import default_arch, ensure_arch_env
 from ..jit.key import cache_key
 from .config import Sm100Spec
-from .heuristic import reachable_specs
 from .limits import check_spec
 
 # torch dtype names of (a and b, the scale factors) per format, for callers
@@ -136,33 +133,3 @@ def get_kernel(spec: Sm100Spec, arch: Optional[str] = None):
     """The cached compiled kernel of ``spec`` (compiled on first use, once per process)."""
     arch = arch or default_arch()
     return cache.cached(cache_key(arch, spec), lambda: build(spec, arch))
-
-
-def precompile(
-    specs: Optional[Iterable[Sm100Spec]] = None,
-    arch: Optional[str] = None,
-    cache_dir: Optional[str] = None,
-    progress: bool = False,
-) -> int:
-    """Build the kernels a deployment will launch into the disk cache
-    (``cache_dir`` or $FLASHGEMM_CACHE_DIR); ``specs`` defaults to every
-    kernel the heuristics can pick, the DeepSeek fp8 recipe's included, and
-    the MoE activations. Works without a GPU. Returns the count."""
-    arch = ensure_arch_env(arch or default_arch())
-    todo = [(s.name(), cache_key(arch, s), lambda s=s: build(s, arch))
-            for s in (list(specs) if specs is not None else reachable_specs())]
-    if specs is None:
-        from ..moe.activation import activation_key, build as build_activation
-        from .blockwise_build import blockwise_specs, build_blockwise
-
-        todo += [(s.name(), cache_key(arch, "sm100-blockwise", s), lambda s=s: build_blockwise(s, arch))
-                 for s in blockwise_specs()]
-        todo += [(f"moe-silu_mul-{fp8}", activation_key(arch, fp8), lambda fp8=fp8: build_activation(fp8, arch))
-                 for fp8 in (True, False)]
-    t0 = time.perf_counter()
-    for i, (name, key, make) in enumerate(todo):
-        cache.store(key, make, cache_dir)
-        if progress:
-            print(f"  [{i + 1}/{len(todo)}] {name}  ({time.perf_counter() - t0:.0f} s)",
-                  file=sys.stderr, flush=True)
-    return len(todo)

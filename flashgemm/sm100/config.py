@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional
+from typing import ClassVar, Optional
 
 from ..formats import Format
 
@@ -67,6 +67,8 @@ class Sm100Spec:
 
     config: Sm100Config
     signal_mode: Optional[str] = None
+    # the compiled function's tensor parameters, then the grid size (``kernel``)
+    SLOTS: ClassVar[tuple] = ("a", "b", "a_scale", "b_scale", "alpha", "out", "masked_m", "signals")
 
     def name(self) -> str:
         return f"sm100-{self.config.name()}-{self.signal_mode or 'nosig'}"

@@ -3,10 +3,9 @@
 ``api`` has already checked the arguments' metadata and the device; here the
 configuration is chosen (``heuristic`` for BF16 / MXFP8 / NVFP4,
 ``blockwise_build`` for DeepSeek's 1x128 fp8), the signal layout derived and
-the kernel fetched. The plan then launches with only the address checks
-(alignment, no aliasing of what the kernel writes) on later calls, as the
-Hopper plan does. ``sm100_signal_layout`` runs the same choice, so the
-layout known before a launch is the one the launch uses.
+the kernel fetched, into a ``plan.LaunchPlan``. ``sm100_signal_layout`` runs
+the same choice, so the layout known before a launch is the one the launch
+uses.
 """
 
 from __future__ import annotations
@@ -17,15 +16,16 @@ import torch
 
 from ..formats import Format
 from ..signals import SignalLayout, check_granularity, make_signal_layout, validate_signals
-from ..validation import _TMA_ALIGN, _byte_span, _span, check_expected_m, check_no_alias, tma_ready_a_scale
+from ..plan import LaunchPlan
+from ..validation import byte_span, check_expected_m, check_no_alias, tma_ready_a_scale
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """What one (format, shape, grid, signal mode) resolves to on sm_100."""
 
-    spec: object  # Sm100Spec, or the blockwise kernel's BlockwiseSpec
-    blockwise: bool  # the DeepSeek fp32-scale kernel (its call takes no alpha)
+    spec: object  # Sm100Spec, or the blockwise kernel's BlockwiseSpec (each names its parameters: SLOTS)
+    blockwise: bool  # the DeepSeek recipe's fp32 scales: a_scale TMA-loaded, b_scale read with plain loads
     block: tuple  # (block_m, block_n) of a signal: rows and columns of one output tile
     cluster: int  # CTAs per cluster: num_ctas must be a multiple of it
     cluster_tile: tuple  # (rows, columns) of one cluster's unit of work, for the grid size
@@ -82,118 +82,44 @@ def grid_ctas(c: Choice, e_count: int, max_m: int, n: int, grid_cap: int) -> int
 
 
 def kernel_views(fmt: Format) -> tuple:
-    """(index in (a, b, a_scale, b_scale), torch dtype) of the operands whose
-    public dtypes include one the compiled function is not built for (uint8
-    bytes for packed e2m1 or E8M0): a same-size view, no copy, at launch."""
+    """(slot, torch dtype) of the operands whose public dtypes include one
+    the compiled function is not built for (uint8 bytes for packed e2m1 or
+    E8M0): a same-size view, no copy, at launch."""
     from .build import TORCH_DTYPES
 
     ab, sf = TORCH_DTYPES.get(fmt, (None, None))
     views = []
     if fmt is Format.NVFP4:
-        views += [(0, getattr(torch, ab)), (1, getattr(torch, ab))]
+        views += [("a", getattr(torch, ab)), ("b", getattr(torch, ab))]
     if fmt is Format.MXFP8:
-        views += [(2, getattr(torch, sf)), (3, getattr(torch, sf))]
+        views += [("a_scale", getattr(torch, sf)), ("b_scale", getattr(torch, sf))]
     return tuple(views)
 
 
-def make_plan(fmt: Format, sizes, a, b, out, masked_m, a_scale, b_scale, alpha, expected_m, config,
-              dst_signals, signal_granularity, grid_cap: int):
-    """The plan for one argument signature (everything else already checked)."""
-    e_count, max_m, n, k = sizes
-    check_granularity(signal_granularity)
-    mode = signal_granularity if dst_signals is not None else None
-    c = choose(fmt, e_count, max_m, n, k, expected_m, grid_cap, config, mode)
+def make_plan(call) -> LaunchPlan:
+    """``Backend.make_plan`` on sm_100 / sm_103 (everything else already checked)."""
+    e_count, max_m, n, k = call.sizes
+    t = call.tensors
+    fmt, signals = call.fmt, t["signals"]
+    check_granularity(call.granularity)
+    mode = call.granularity if signals is not None else None
+    c = choose(fmt, e_count, max_m, n, k, call.expected_m, call.grid_cap, call.config, mode)
     layout = None
-    if dst_signals is not None:
-        layout = make_signal_layout(signal_granularity, max_m, n, c.block[0], c.block[1], e_count)
-        validate_signals(dst_signals, layout, a.device)
-        others = {"a": a, "b": b, "out": out, "a_scale": a_scale, "b_scale": b_scale, "alpha": alpha,
-                  "masked_m": masked_m}
-        check_no_alias("dst_signals", _byte_span(dst_signals), others)
-    num_ctas = grid_ctas(c, e_count, max_m, n, grid_cap)
-    if c.blockwise:
-        from .blockwise_build import get_blockwise_kernel
+    if signals is not None:
+        layout = make_signal_layout(call.granularity, max_m, n, c.block[0], c.block[1], e_count)
+        validate_signals(signals, layout, t["a"].device)
+        check_no_alias("signals", byte_span(signals), {k: v for k, v in t.items() if k != "signals"})
+    num_ctas = grid_ctas(c, e_count, max_m, n, call.grid_cap)
+    from .backend import BACKEND
 
-        fn = get_blockwise_kernel(c.spec)
-    else:
-        from .build import get_kernel
-
-        fn = get_kernel(c.spec)
-    copy_a_scale = c.blockwise and tma_ready_a_scale(a_scale, check_only=True)
-    tensors = (a, b, masked_m, out, a_scale, b_scale, dst_signals, alpha)
-    present = [i for i, t in enumerate(tensors) if t is not None]
-    pos = {i: j for j, i in enumerate(present)}
+    fn = BACKEND.kernel(c.spec)
+    copy_a_scale = c.blockwise and tma_ready_a_scale(t["a_scale"], check_only=True)
     # TMA bases: a, b, out; blocked scales; an fp32 a_scale read in place (the
     # blockwise kernel reads b_scale with plain loads: 4-byte alignment)
-    aligned = [pos[i] for i in (0, 1, 3) if i in pos]
-    if 4 in pos and not copy_a_scale:
-        aligned.append(pos[4])
-    if 5 in pos and not c.blockwise:
-        aligned.append(pos[5])
-    return Sm100Plan(
-        fn=getattr(fn, "__tvm_ffi_object__", lambda: None)() or fn,
-        blockwise=c.blockwise,
-        num_ctas=num_ctas,
-        layout=layout,
-        out_shape=(e_count, max_m, n),
-        copy_a_scale=copy_a_scale,
-        views=() if c.blockwise else kernel_views(fmt),
-        aligned=tuple(aligned),
-        written=tuple(pos[i] for i in (3, 6) if i in pos),
-        extents=tuple(0 if tensors[i] is None else _span(0, tensors[i].shape, tensors[i].stride(),
-                                                           tensors[i].element_size())[1] for i in present),
-        spec=c.spec,
+    aligned = ("a", "b", "out") + (() if copy_a_scale else ("a_scale",)) + (() if c.blockwise else ("b_scale",))
+    return LaunchPlan(
+        fn, c.spec.SLOTS, t, scalars=(num_ctas,), aligned=aligned,
+        written=("out", "signals"), num_ctas=num_ctas, layout=layout, out_shape=(e_count, max_m, n),
+        out_dtype=torch.bfloat16, copy_a_scale=copy_a_scale, counter_device=None,
+        views=() if c.blockwise else kernel_views(fmt), routed=False, spec=c.spec,
     )
-
-
-class Sm100Plan:
-    """What the checks derived for one argument signature on sm_100: the
-    compiled kernel, grid and signal layout, and the byte extents for the
-    per-call address checks. Same interface as the Hopper plan, with alpha
-    passed as ``extra = (alpha,)``."""
-
-    __slots__ = ("fn", "blockwise", "num_ctas", "layout", "out_shape", "copy_a_scale", "views",
-                 "aligned", "written", "extents", "spec", "last_ok")
-
-    def __init__(self, **kw):
-        self.last_ok = None
-        for name, value in kw.items():
-            setattr(self, name, value)
-
-    def pointers_ok(self, a, b, masked_m, out, a_scale, b_scale, dst_signals, extra=()) -> bool:
-        """Alignment and no aliasing of what the kernel writes, from this
-        call's addresses; False sends the call through the full checks."""
-        ptrs = [t.data_ptr() for t in (a, b, masked_m, out, a_scale, b_scale, dst_signals, *extra)
-                if t is not None]
-        if ptrs == self.last_ok:
-            return True
-        bits = 0
-        for i in self.aligned:
-            bits |= ptrs[i]
-        if bits % _TMA_ALIGN:
-            return False
-        ext = self.extents
-        for w in self.written:
-            lo, hi = ptrs[w], ptrs[w] + ext[w]
-            if any(j != w and p < hi and lo < p + ext[j] for j, p in enumerate(ptrs)):
-                return False
-        self.last_ok = ptrs
-        return True
-
-    def launch(self, a, b, out, masked_m, a_scale, b_scale, dst_signals, extra=()):
-        alpha = extra[0] if extra else None
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=a.device)
-        if self.views:
-            args = [a, b, a_scale, b_scale]
-            for i, dtype in self.views:
-                if args[i].dtype is not dtype:  # (the key leaves these dtypes open: bytes or the real one)
-                    args[i] = args[i].view(dtype)
-            a, b, a_scale, b_scale = args
-        if self.blockwise:
-            if self.copy_a_scale:
-                a_scale = tma_ready_a_scale(a_scale)
-            self.fn(a, b, a_scale, b_scale, out, masked_m, dst_signals, self.num_ctas)
-        else:
-            self.fn(a, b, a_scale, b_scale, alpha, out, masked_m, dst_signals, self.num_ctas)
-        return out if self.layout is None else (out, self.layout)

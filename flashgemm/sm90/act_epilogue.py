@@ -65,16 +65,19 @@ def act_target(storage, mH, mHScale, tile_m: int, cta_rank) -> ActTarget:
 
 
 class SwigluEpilogue:
-    """One consumer thread's fused SwiGLU state (built once per kernel)."""
+    """One consumer thread's fused SwiGLU state (built once per kernel), with
+    the constructor and ``store`` every sm_90 tile epilogue has
+    (``epilogues.make_tile_epilogue``); it uses no staging buffer."""
 
-    def __init__(self, target: ActTarget, thr_mma, accumulators, tile_mn, consumer_tidx, num_consumer_wg: int):
+    def __init__(self, tiled_mma, accumulators, sD, gD_mem, tile_mn, out_dtype, consumer_tidx, epi_barrier,
+                 consumer_barrier, epi_tile, handoff, target: ActTarget):
         self.target = target
         self.accumulators = accumulators
         self.tile_mn = tile_mn
         self.consumer_tidx = consumer_tidx
-        self.num_consumer_wg = num_consumer_wg
+        self.num_consumer_wg = consumer_barrier.num_threads // 128
         # (row, column) in the tile of each accumulator value
-        self.tCcC = thr_mma.partition_C(cute.make_identity_tensor(tile_mn))
+        self.tCcC = tiled_mma.get_slice(consumer_tidx).partition_C(cute.make_identity_tensor(tile_mn))
         self.fp8 = target.mHScale is not None
 
     def __extract_mlir_values__(self):  # nothing here changes inside the tile loop
@@ -84,9 +87,15 @@ class SwigluEpilogue:
         return self
 
     @cute.jit
-    def store(self, expert: Int32, m_block: Int32, n_block: Int32, valid_rows: Int32, tile_count: Int32):
+    def store(self, expert: Int32, m_block: Int32, n_block: Int32, valid_rows: Int32, n_total: Int32,
+              sig_pipeline, sig_state, half=None, tile_count=None):
         """h of this tile's rows < valid_rows (tile_count: the tiles this
-        thread stored before, the same on both CTAs of the pair)."""
+        thread stored before, the same on both CTAs of the pair); no signals."""
+        self._store_h(expert, m_block, n_block, valid_rows, tile_count)
+        return sig_state
+
+    @cute.jit
+    def _store_h(self, expert: Int32, m_block: Int32, n_block: Int32, valid_rows: Int32, tile_count: Int32):
         acc = self.accumulators
         half_n = cute.size(acc) // 2  # gate values; value v + half_n is v's up value
         gu = cute.make_rmem_tensor((2 * half_n,), Float32)

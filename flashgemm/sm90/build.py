@@ -1,5 +1,5 @@
 """Compile entry points of the sm_90a kernels: the GEMM (one ``KernelSpec``
-each), the reference combine, and ``precompile``.
+each) and the reference combine (``backend`` lists them for precompile).
 
 Kernels are compiled from fake tensors whose extents (E, max_m, N, K) and
 strides are symbolic, so one compiled object serves every shape: only the
@@ -11,18 +11,16 @@ torch tensors directly through TVM-FFI and launch on torch's current stream.
 
 from __future__ import annotations
 
-import sys
-import time
 from typing import Iterable, Optional
 
-from ..config import CLAIM_COUNTER_INTS, Epilogue, KernelSpec, TileOrder
+from ..config import CLAIM_COUNTER_INTS, KernelSpec, TileOrder
 from ..jit import cache
 from ..jit.arch import default_arch, ensure_arch_env
 from ..jit.key import cache_key
 from ..jit.fakes import row_major
 from ..jit.options import compile_options
+from ..routing import ROUTING_SLOTS
 from ..signals import DEFAULT_ROWS_PER_ITEM
-from .heuristic import reachable_specs
 from .limits import check_config
 
 OUT_DTYPE = "bf16"
@@ -72,7 +70,7 @@ def _fake_args(ab_dtype, out_dtype, sum_dtype=None):
     return a, b, d, masked_m, signals, sfa, sfb, routing
 
 
-def _fake_act_out(epilogue: Epilogue):
+def _fake_act_out(fp8: bool):
     """The fused SwiGLU's h (E, max_m, I) (fp8 or bf16) and, for fp8, its
     (E, max_m, I/128) fp32 scales, M contiguous: the down GEMM's a / a_scale."""
     import cutlass
@@ -83,10 +81,10 @@ def _fake_act_out(epilogue: Epilogue):
 
     fake = cute.runtime.make_fake_tensor
     e, m, i = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    out_t = cutlass.Float8E4M3FN if epilogue is Epilogue.SWIGLU_FP8 else cutlass.BFloat16
+    out_t = cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16
     h = fake(out_t, (e, m, i), (ld(out_t), ld(out_t), 1), assumed_align=16)
     scale = None
-    if epilogue is Epilogue.SWIGLU_FP8:
+    if fp8:
         f32 = cutlass.Float32
         scale = fake(f32, (e, m, cute.sym_int()), (ld(f32), 1, ld(f32)), assumed_align=16)
     return h, scale
@@ -113,21 +111,18 @@ def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, 
     check_config(config, fmt, spec.epilogue)
     ab_t, out_t = _cutlass_dtype(fmt.value), _cutlass_dtype(OUT_DTYPE)
     gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, spec.signal_mode, trace=trace, epilogue=spec.epilogue)
-    bf16_rows = spec.epilogue in (Epilogue.COMBINE_BF16, Epilogue.COMBINE_PEERS)
+    op = spec.epilogue.op  # what the epilogue takes: its parameters, its rows' dtype
     a, b, d, masked_m, signals, sfa, sfb, routing = _fake_args(
-        ab_t, out_t, cutlass.BFloat16 if bf16_rows else cutlass.Float32)
+        ab_t, out_t, cutlass.BFloat16 if op.rows_dtype == "bf16" else cutlass.Float32)
+    routing = tuple(t if name in op.params else None for name, t in zip(ROUTING_SLOTS, routing))
     d_scale = None
-    if spec.epilogue.activates:
-        d, d_scale = _fake_act_out(spec.epilogue)
-    if spec.epilogue.combines:
+    if not op.writes_out:
         d = None
-        if spec.epilogue is not Epilogue.COMBINE_PEERS:
-            routing = (*routing[:4], None)
-    else:
-        routing = (None,) * 5
+    elif op.family == "swiglu":
+        d, d_scale = _fake_act_out(op.fp8_out)
     if spec.signal_mode is None and not trace:
         # no signals tensor to pass: each tensor argument costs the call a
-        # DLPack conversion and its checks (about 0.25 us on the H100 host)
+        # DLPack conversion and its checks on every call (docs/design.md)
         signals = None
     counter = None
     if config.order is TileOrder.DYNAMIC:
@@ -146,42 +141,6 @@ def get_kernel(spec: KernelSpec, arch: Optional[str] = None):
     """The cached compiled kernel of ``spec`` (compiled on first use, once per process)."""
     arch = arch or default_arch()
     return cache.cached(cache_key(arch, spec), lambda: build(spec, arch))
-
-
-def precompile(
-    specs: Optional[Iterable[KernelSpec]] = None,
-    *,
-    arch: Optional[str] = None,
-    cache_dir: Optional[str] = None,
-    progress: bool = False,
-) -> int:
-    """Build the kernels a deployment will launch and store them in the disk
-    cache (``cache_dir`` or $FLASHGEMM_CACHE_DIR), so serving never compiles.
-    ``specs`` defaults to every kernel the heuristic can pick
-    (``heuristic.reachable_specs``), the MoE activation kernels and the
-    reference combine for every signalled tile height. Works without
-    a GPU. Returns the number of kernels now cached."""
-    arch = ensure_arch_env(arch or default_arch())
-    todo = list(specs) if specs is not None else list(reachable_specs())
-    t0 = time.perf_counter()
-    for i, spec in enumerate(todo):
-        cache.store(cache_key(arch, spec), lambda: build(spec, arch), cache_dir)
-        if progress:
-            print(f"  [{i + 1}/{len(todo)}] {spec.name()}  ({time.perf_counter() - t0:.0f} s)",
-                  file=sys.stderr, flush=True)
-    count = len(todo)
-    if specs is None:
-        from ..moe.activation import activation_key, build as build_activation
-
-        for fp8 in (True, False):
-            cache.store(activation_key(arch, fp8), lambda: build_activation(fp8, arch), cache_dir)
-            count += 1
-        for block_m in combine_block_ms(todo):
-            key = combine_key(arch, block_m, DEFAULT_ROWS_PER_ITEM)
-            cache.store(key, lambda: build_combine(block_m, arch, rows_per_item=DEFAULT_ROWS_PER_ITEM),
-                        cache_dir)
-            count += 1
-    return count
 
 
 def combine_block_ms(specs: Iterable[KernelSpec]) -> list:

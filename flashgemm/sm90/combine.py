@@ -34,7 +34,7 @@ from .barriers import COMBINE_TEAM_FIRST
 COMBINE_THREADS = 1024
 CHUNK = 8  # bf16 elements per 16-byte load
 # Teams of 8 warps work on separate items, so one item's latency chain
-# (poll, loads, staging, barriers: ~3 us) overlaps the other teams' work.
+# (poll, loads, staging, barriers) overlaps the other teams' work.
 TEAMS = 4
 TEAM_THREADS = COMBINE_THREADS // TEAMS
 TEAM_WARPS = TEAM_THREADS // 32

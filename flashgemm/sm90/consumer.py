@@ -18,7 +18,8 @@ from cutlass import Int32
 
 from ..config import Promotion, Tail
 from .. import trace as tr
-from .epilogue import SIGNAL_STAGES, TileEpilogue
+from .epilogue import SIGNAL_STAGES
+from .epilogues import tile_epilogue
 from .mainloop import KTileMma, consume_tile, consume_tile_blockscaled, skip_tile
 from .walk import KernelShape, start_walk, to_next_unit
 
@@ -46,12 +47,13 @@ class Consumer:
     def run(
         self, tidx, warp_group_idx, tiled_mma, smem: ConsumerSmem, gD_mem, out_dtype, epi_barriers,
         walk_args, feed, balance, ab_pipeline, sig_pipeline, k_tile_cnt, n_total, mTrace, trace_base,
-        combine=None, act=None,
+        epilogue=None, target=None,
     ):
         """Every tile's mainloop and epilogue on this warpgroup.
         ``epi_barriers``: (epilogue barrier, consumer barrier, handoff or None);
-        ``combine``: the ``epilogue.CombineTarget`` of the fused combine;
-        ``act``: the ``act_epilogue.ActTarget`` of the fused SwiGLU."""
+        ``epilogue``: the build's ``Epilogue``, whose device class
+        (``epilogues.tile_epilogue``) stores the tiles; ``target``: where a
+        fused one sends them (its ``CombineTarget`` or ``ActTarget``)."""
         tile_mn = (self.tile_mnk[0], self.tile_mnk[1])
         consumer_tidx = tidx - 128
         thr_mma = tiled_mma.get_slice(consumer_tidx)
@@ -82,10 +84,10 @@ class Consumer:
             rows = (tCcC[0][0], tCcC[2][0])
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         epi_barrier, consumer_barrier, handoff = epi_barriers
-        epi = TileEpilogue(
+        epi = tile_epilogue(epilogue)(
             tiled_mma, accumulators, smem.sD, gD_mem, tile_mn, out_dtype, consumer_tidx,
             epi_barrier, consumer_barrier, self.config.epi_tile,
-            None if handoff is None else (handoff, warp_group_idx - 1), combine, act,
+            None if handoff is None else (handoff, warp_group_idx - 1), target,
         )
         sched, used = start_walk(self.config, walk_args, feed, None, balance)
         work = sched.work()

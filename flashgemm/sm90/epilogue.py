@@ -29,17 +29,13 @@ Why each piece is as it is, with numbers: ``docs/design.md`` (Epilogue).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Int32, Int64
+from cutlass import Int32
 from cutlass.tensor_utils.layout import LayoutEnum
 
-from ..device.errors import ERR_BAD_ROUTE
-from .act_epilogue import SwigluEpilogue
 
 # stages of the partial-tile signal handoff (consumers -> store warp): with
 # two, the consumers wait only if, when they finish tile t + 2, the store
@@ -54,21 +50,6 @@ class _NoLoopState:
 
     def __new_from_mlir_values__(self, values):
         return self
-
-
-class CombineTarget(NamedTuple):
-    """The fused combine (``Epilogue.COMBINE``, ``COMBINE_BF16``,
-    ``COMBINE_PEERS``): where each valid row goes, and how heavily."""
-
-    mTokenIdx: cute.Tensor  # (E, max_m) int32: the token (with mPeers: owner * R + row) of each row
-    mWeight: cute.Tensor  # (E, max_m) fp32: its routing weight
-    # (T, N) fp32 or bf16, contiguous: reduce-added into; with mPeers this
-    # rank's (R, N) bf16 receive buffer, the shape of every rank's
-    mCombined: cute.Tensor
-    mErr: cute.Tensor  # (1,) int32 error word: ERR_BAD_ROUTE for a token outside [0, T) / [0, W * R)
-    mPeers: cute.Tensor = None  # COMBINE_PEERS: (W,) int64, each rank's receive-buffer address
-
-
 
 
 class TileEpilogue(_NoLoopState):
@@ -87,15 +68,9 @@ class TileEpilogue(_NoLoopState):
         consumer_barrier: pipeline.NamedBarrier,  # the consumers alone
         epi_tile: tuple,
         handoff=None,  # Staging.WHOLE_TILE: (barriers.WarpgroupHandoff, this warpgroup's index)
-        combine=None,  # the fused combine: a CombineTarget
-        act=None,  # the fused SwiGLU: an act_epilogue.ActTarget
+        target=None,  # what a fused epilogue sends to (a subclass's); None here
     ):
         self.accumulators = accumulators
-        self.combine = combine
-        self.act = None
-        if act is not None:
-            self.act = SwigluEpilogue(act, tiled_mma.get_slice(consumer_tidx), accumulators, tile_mn,
-                                      consumer_tidx, consumer_barrier.num_threads // 128)
         self.whole_tile = handoff is not None
         if self.whole_tile:
             self.free_barrier = handoff[0].free(handoff[1])
@@ -146,14 +121,7 @@ class TileEpilogue(_NoLoopState):
         tile_count=None,  # the fused SwiGLU: tiles this thread stored before
     ):
         """Store one tile; returns the advanced signal-pipeline state."""
-        if cutlass.const_expr(self.act is not None):
-            self.act.store(expert, m_block, n_block, valid_rows, tile_count)
-            return sig_state
         full, row_lo, row_hi = tile_rows(valid_rows, half, self.tile_mn[0])
-        if cutlass.const_expr(self.combine is not None):
-            # every tile leaves row by row, reduce-added into its tokens' rows
-            self._reduce_rows(expert, m_block, n_block, row_hi, n_total, row_lo)
-            return sig_state
         if cutlass.const_expr(self.whole_tile):
             self.free_barrier.arrive_and_wait()  # the last tile's stores have read our rows
         if full:
@@ -230,99 +198,6 @@ class TileEpilogue(_NoLoopState):
                         cute.copy(
                             self.tiled_copy_s2g, self.tSG_sD[(None, m, n)], tSG_gD[(None, m, n)]
                         )
-            self.consumer_barrier.arrive_and_wait()  # buffer 0 read: free again
-
-
-    @cute.jit
-    def _reduce_rows(
-        self, expert: Int32, m_block: Int32, n_block: Int32, valid_rows: Int32, n_total: Int32,
-        row_lo=None,
-    ):
-        """The fused combine: rows < valid_rows (and >= row_lo) only. As
-        ``_store_partial``, each sub-tile is staged in buffer 0 (rounded to
-        bf16, as the stored output would be) and read back in 16-byte row
-        pieces; a piece is scaled by its row's routing weight in fp32 and
-        reduce-added into its token's row of the combined output (performed
-        in L2, in no fixed order): an fp32 output takes two
-        ``red.global.add.v4.f32``, a bf16 one the piece rounded to bf16 in one
-        ``red.global.add.noftz.v4.bf16x2`` (half the bytes; docs/design.md).
-        A token outside [0, T) sets ERR_BAD_ROUTE and its row is skipped.
-
-        ``Epilogue.COMBINE_PEERS`` (``target.mPeers``, expert parallelism):
-        the token is the flat destination owner * R + row (R: the rows of
-        each rank's receive buffer), and the weighted piece, rounded to bf16,
-        leaves in one plain 16-byte store (``st.global.v4.b32``, no reduction)
-        to ``mPeers[owner] + (row * N + col) * 2`` bytes: the owner's receive
-        buffer, over NVLink for another GPU. A destination outside
-        [0, W * R) sets ERR_BAD_ROUTE and its row is skipped."""
-        target = self.combine
-        peer_stores = target.mPeers is not None
-        n_rem = n_total - n_block * self.tile_mn[1]
-        num_tokens = cute.size(target.mCombined, mode=[0])
-        rows_per_rank = num_tokens
-        if cutlass.const_expr(peer_stores):
-            num_tokens = rows_per_rank * cute.size(target.mPeers, mode=[0])  # < 2**31 (routing.py)
-        passes = cute.size(self.tSG_sD, mode=[1])
-        # this thread's rows are the same in every sub-tile: read their
-        # routing once per tile (a row past m_e reads a real, unused entry)
-        tokens = cute.make_rmem_tensor((passes,), Int32)
-        weights = cute.make_rmem_tensor((passes,), cutlass.Float32)
-        dests = None
-        if cutlass.const_expr(peer_stores):
-            dests = cute.make_rmem_tensor((passes,), Int64)  # each row's byte address
-        row0 = m_block * self.tile_mn[0]
-        last_row = cute.size(target.mTokenIdx, mode=[1]) - 1
-        for i in cutlass.range_constexpr(passes):
-            src = cutlass.min(row0 + self.tSG_cD[(0, i, 0)][0], last_row)
-            tokens[i] = target.mTokenIdx[expert, src]
-            weights[i] = target.mWeight[expert, src]
-            if cutlass.const_expr(peer_stores):
-                # an invalid destination reads entry 0 of the table, never past it
-                flat = cutlass.select_((tokens[i] >= 0) & (tokens[i] < num_tokens), tokens[i], Int32(0))
-                owner = flat // rows_per_rank
-                dests[i] = target.mPeers[owner] + Int64(flat - owner * rows_per_rank) * Int64(n_total) * 2
-        bf16_sums = target.mCombined.element_type == self.out_dtype
-        piece = cute.make_rmem_tensor((8,), self.out_dtype)
-        vals = cute.make_rmem_tensor((8,), cutlass.Float32)
-        for epi_idx in cutlass.range_constexpr(epi_tile_count(self.tile_mn)):
-            self._stage(epi_idx, 0)
-            self.consumer_barrier.arrive_and_wait()  # sub-tile staged
-            for i in cutlass.range_constexpr(passes):
-                for n in cutlass.range_constexpr(cute.size(self.tSG_sD, mode=[2])):
-                    row, col = self.tSG_cD[(0, i, n)]
-                    keep = (row < valid_rows) & (epi_idx * self.epi_tile[1] + col < n_rem)
-                    if cutlass.const_expr(row_lo is not None):
-                        keep = keep & (row >= row_lo)
-                    if keep:
-                        token = tokens[i]
-                        if (token >= 0) & (token < num_tokens):
-                            cute.autovec_copy(self.tSG_sD[(None, i, n)], piece)
-                            vals.store(piece.load().to(cutlass.Float32) * weights[i])
-                            if cutlass.const_expr(peer_stores):
-                                # one plain 16-byte store into the owner's receive buffer
-                                col0 = n_block * self.tile_mn[1] + epi_idx * self.epi_tile[1] + col
-                                dst = cute.make_ptr(Int32, dests[i] + Int64(col0) * 2,
-                                                    cute.AddressSpace.gmem, assumed_align=16)
-                                piece.store(vals.load().to(self.out_dtype))
-                                words = cute.recast_tensor(piece, Int32)  # 4 bf16 pairs
-                                cute.arch.store(dst, words.load().ir_value())
-                            else:
-                                dst = target.mCombined.iterator + (
-                                    token * n_total + n_block * self.tile_mn[1] + epi_idx * self.epi_tile[1]
-                                    + col
-                                )
-                                if cutlass.const_expr(bf16_sums):
-                                    piece.store(vals.load().to(self.out_dtype))
-                                    words = cute.recast_tensor(piece, Int32)  # 4 bf16 pairs
-                                    cute.arch.red(dst, words.load().ir_value(), op="add", dtype="bf16x2",
-                                                  sem="relaxed", scope="gpu")
-                                else:
-                                    for h in cutlass.range_constexpr(2):  # two 16-byte reductions
-                                        quad = cute.local_tile(vals, (4,), (h,)).load()
-                                        cute.arch.red(dst + 4 * h, quad.ir_value(), op="add", dtype="f32",
-                                                      sem="relaxed", scope="gpu")
-                        else:
-                            cute.arch.atomic_or(target.mErr.iterator, Int32(ERR_BAD_ROUTE))
             self.consumer_barrier.arrive_and_wait()  # buffer 0 read: free again
 
 

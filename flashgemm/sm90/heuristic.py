@@ -191,12 +191,22 @@ def regimes(fmt: Format):
     return FP8_REGIMES if fmt is Format.FP8_BLOCK128 else BF16_REGIMES
 
 
+def _hint_always(cfg: GemmConfig, m: int) -> bool:
+    """fp8 L2 hints hold at ``m`` rows whatever the grid: every expert fits one m-block."""
+    return m * M_SPREAD <= cfg.tile_m
+
+
+def _hint_maybe(cfg: GemmConfig, m: int) -> bool:
+    """fp8 L2 hints may hold at ``m`` rows: two m-blocks, if all their units fit one round."""
+    return m * M_SPREAD <= 2 * cfg.tile_m
+
+
 def _fp8_hint(cfg: GemmConfig, f: Facts) -> bool:
     """fp8: weights evict-first, activations evict-last where every expert
     fits one m-block, or two m-blocks whose units all fit one round (the
     second read of a weight tile then comes while the first is in L2)."""
-    return f.m * M_SPREAD <= cfg.tile_m or (
-        f.m * M_SPREAD <= 2 * cfg.tile_m and 2 * cfg.n_groups(f.n) <= cfg.n_clusters(f.num_sms)
+    return _hint_always(cfg, f.m) or (
+        _hint_maybe(cfg, f.m) and 2 * cfg.n_groups(f.n) <= cfg.n_clusters(f.num_sms)
     )
 
 
@@ -279,10 +289,11 @@ def reachable_specs(fmt: Optional[Format] = None) -> tuple[KernelSpec, ...]:
         lower = 1
         for regime in regimes(ops):
             for cfg in dict.fromkeys(c for c in (regime.config, regime.alternative) if c):
+                # the hints _fp8_hint can give over the regime's rows, for some grid
                 hints = {cfg.l2_hints}
-                if fp8 and lower * M_SPREAD <= 2 * cfg.tile_m:
+                if fp8 and _hint_maybe(cfg, lower):
                     hints.add(True)
-                if fp8 and not (regime.up_to_m * M_SPREAD > cfg.tile_m):
+                if fp8 and _hint_always(cfg, regime.up_to_m):
                     hints.discard(False)
                 for hint in sorted(hints):
                     for use in ("plain", "signals", "combine"):

@@ -22,7 +22,8 @@ from .. import trace as tr
 from . import barriers
 from .consumer import Consumer, ConsumerSmem
 from .act_epilogue import act_target, init_exchange_barriers
-from .epilogue import SIGNAL_STAGES, CombineTarget
+from .combine_epilogue import CombineTarget
+from .epilogue import SIGNAL_STAGES
 from .limits import PRODUCER_REGS, SMEM_BYTES, consumer_regs, resolved_stages
 from .storage import shared_storage
 from .producer import Producer, ProducerLoads
@@ -92,9 +93,7 @@ class MaskedGroupedGemmSm90:
         if config.tail is Tail.SPLIT and signal_mode is not None:
             # a tile's two halves finish on two CTAs; the signal counts tiles
             raise ValueError("config.tail=SPLIT builds take no signal_mode")
-        if epilogue is not Epilogue.STORE and (
-            signal_mode is not None or trace or config.staging is not Staging.PAIR
-        ):
+        if not epilogue.op.signals and (signal_mode is not None or trace or config.staging is not Staging.PAIR):
             raise ValueError(f"an Epilogue.{epilogue.name} build takes no signals, no trace and Staging.PAIR")
         self.config = config
         self.epilogue = epilogue
@@ -483,14 +482,14 @@ class MaskedGroupedGemmSm90:
                 )
         else:
             cute.arch.setmaxregister_increase(consumer_regs(self.num_consumer_wg))
-            act = None
+            target = None  # where a fused epilogue sends the tiles
             if cutlass.const_expr(self.epilogue.activates):
-                act = act_target(storage if self.row_max_exchange else None, mD_mnl, mDScale, self.tile_mnk[0],
-                                 cta_rank)
+                target = act_target(storage if self.row_max_exchange else None, mD_mnl, mDScale,
+                                    self.tile_mnk[0], cta_rank)
+            if cutlass.const_expr(self.epilogue.combines):
+                target = CombineTarget(mTokenIdx, mWeight, mCombined, mErr, mPeers)
             self.consumer.run(
                 tidx, warp_group_idx, tiled_mma, ConsumerSmem(sA, sB, sD, sSFA, sSFB), gD_mem,
                 self.out_dtype, (epi_barrier, consumer_barrier, handoff), walk_args, feed, balance,
-                ab_pipeline, sig_pipeline, k_tile_cnt, n_total, mTrace, trace_base,
-                CombineTarget(mTokenIdx, mWeight, mCombined, mErr, mPeers) if self.epilogue.combines else None,
-                act,
+                ab_pipeline, sig_pipeline, k_tile_cnt, n_total, mTrace, trace_base, self.epilogue, target,
             )

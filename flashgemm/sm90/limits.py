@@ -7,6 +7,8 @@ same numbers the kernel's shared storage uses.
 
 from __future__ import annotations
 
+import functools
+
 from ..config import (
     FP8_SLOT_WEIGHT_SCALES, SWIGLU_TILE_N, Epilogue, GemmConfig, Promotion, Staging, Tail,
 )
@@ -41,14 +43,10 @@ def stage_bytes(cfg: GemmConfig, fmt: Format) -> int:
 
 
 def epi_bytes(cfg: GemmConfig, epilogue: Epilogue = Epilogue.STORE) -> int:
-    """The bf16 output staging (the fused combine stages its rows there too;
-    the fused SwiGLU stores from registers, and its fp8 build keeps the
-    cluster peer's row maxima, two tiles' worth)."""
+    """The bf16 output staging (the fused combine stages its rows there too),
+    and what the epilogue keeps beside it (``EpilogueOp.smem_bytes``)."""
     em, en = cfg.epi_tile
-    staging = em * en * 2 * cfg.epi_buffers
-    if epilogue is Epilogue.SWIGLU_FP8:
-        staging += 2 * cfg.tile_m * 4
-    return staging
+    return em * en * 2 * cfg.epi_buffers + epilogue.op.smem_bytes(cfg.tile_m)
 
 
 def resolved_stages(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> int:
@@ -110,3 +108,9 @@ def check_activation_config(cfg: GemmConfig, fmt: Format, epilogue: Epilogue) ->
     if epilogue is Epilogue.SWIGLU_FP8 and (cfg.cluster_n != 2 or fmt is not Format.FP8_BLOCK128):
         raise ValueError("Epilogue.SWIGLU_FP8 needs fp8 operands and config.cluster_n=2 (the pair's 128 h "
                          f"columns share each row's scale), got {fmt.value}, cluster_n={cfg.cluster_n}")
+
+
+@functools.lru_cache(maxsize=64)
+def validated_config(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> GemmConfig:
+    """``check_config``, once per (frozen) config in a process."""
+    return check_config(cfg, fmt, epilogue)
