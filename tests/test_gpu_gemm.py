@@ -173,10 +173,10 @@ def test_reused_signature_still_checks_pointers(seed):
         flashgemm.grouped_gemm_nt_masked(a, b, out_odd, masked_m)
 
 
-def test_reused_signature_explains_what_the_compiled_checks_refuse(seed):
-    """The signature key leaves out what the compiled function checks itself
-    (b's and out's dtypes, out's and masked_m's shapes): a reused plan must
-    still raise the full checks' error, and launch nothing."""
+def test_a_changed_argument_gets_the_full_checks(seed):
+    """Every tensor's dtype, shape and strides are in the signature key: a
+    call that changes one (b's or out's dtype, out's or masked_m's shape)
+    gets no cached plan but the full checks' error, and launches nothing."""
     a, b, masked_m = _random_case(4, 64, 256, 256, [64, 3, 0, 17])
     buf, out = _poisoned_out(4, 64, 256)
     flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m)  # makes the plan
@@ -193,9 +193,8 @@ def test_reused_signature_explains_what_the_compiled_checks_refuse(seed):
     flashgemm.grouped_gemm_nt_masked(a, b, wide[:, :, :256], masked_m)  # plan for wide's strides
     wide.fill_(POISON)
     for message, args in bad_calls.items():
-        with pytest.raises((TypeError, ValueError), match=message) as info:
+        with pytest.raises((TypeError, ValueError), match=message):
             flashgemm.grouped_gemm_nt_masked(*args)
-        assert info.value.__cause__ is not None, "expected the compiled function's refusal as the cause"
     with pytest.raises(TypeError, match="masked_m must have dtype torch.int32"):  # keyed
         flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m.to(torch.int64))
     torch.cuda.synchronize()

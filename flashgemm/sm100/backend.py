@@ -78,10 +78,9 @@ class Sm100Backend(Backend):
         return (*reachable_specs(), *blockwise_specs())
 
     def kernel(self, spec):
-        from .blockwise_build import BlockwiseSpec, get_blockwise_kernel
-        from .build import get_kernel
+        from .launch import kernel_of
 
-        return get_blockwise_kernel(spec) if isinstance(spec, BlockwiseSpec) else get_kernel(spec)
+        return kernel_of(spec)
 
     def make_plan(self, call):
         from .launch import make_plan

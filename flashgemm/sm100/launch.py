@@ -96,6 +96,14 @@ def kernel_views(fmt: Format) -> tuple:
     return tuple(views)
 
 
+def kernel_of(spec):
+    """The cached compiled kernel of an ``Sm100Spec`` or a ``BlockwiseSpec``."""
+    from .blockwise_build import BlockwiseSpec, get_blockwise_kernel
+    from .build import get_kernel
+
+    return get_blockwise_kernel(spec) if isinstance(spec, BlockwiseSpec) else get_kernel(spec)
+
+
 def make_plan(call) -> LaunchPlan:
     """``Backend.make_plan`` on sm_100 / sm_103 (everything else already checked)."""
     e_count, max_m, n, k = call.sizes
@@ -110,9 +118,7 @@ def make_plan(call) -> LaunchPlan:
         validate_signals(signals, layout, t["a"].device)
         check_no_alias("signals", byte_span(signals), {k: v for k, v in t.items() if k != "signals"})
     num_ctas = grid_ctas(c, e_count, max_m, n, call.grid_cap)
-    from .backend import BACKEND
-
-    fn = BACKEND.kernel(c.spec)
+    fn = kernel_of(c.spec)
     copy_a_scale = c.blockwise and tma_ready_a_scale(t["a_scale"], check_only=True)
     # TMA bases: a, b, out; blocked scales; an fp32 a_scale read in place (the
     # blockwise kernel reads b_scale with plain loads: 4-byte alignment)
