@@ -189,7 +189,7 @@ def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(c >= 8, -mag, mag)
 
 
-def _float_to_e2m1(v: torch.Tensor) -> torch.Tensor:
+def float_to_e2m1(v: torch.Tensor) -> torch.Tensor:
     """float -> 4-bit codes (uint8): round to nearest, ties to the even index, saturating at 6."""
     a = v.abs()
     mids = torch.tensor(_E2M1_MIDPOINTS, dtype=a.dtype, device=a.device)
@@ -240,7 +240,7 @@ def quantize_nvfp4(x: torch.Tensor, *, global_scale=None):
     s_e4m3 = s.to(torch.float8_e4m3fn)
     sf = s_e4m3.float()
     v = torch.where(sf > 0, xb * gb / sf, torch.zeros_like(xb))  # 0/0 only in the unused branch
-    codes = _float_to_e2m1(v).flatten(-2)
+    codes = float_to_e2m1(v).flatten(-2)
     return pack_e2m1(codes), s_e4m3.squeeze(-1).contiguous(), g.contiguous()
 
 
