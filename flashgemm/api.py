@@ -183,10 +183,14 @@ def grouped_gemm_nt_masked(
             raise ValueError("combine takes bf16 or 1x128 fp8 operands on sm_90; alpha is for NVFP4")
         if isinstance(combine, Combine) and combine.err is None and isinstance(a, torch.Tensor):
             combine = combine._replace(err=torch.zeros(1, dtype=torch.int32, device=a.device))
-    call = CallArgs(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals,
-                    signal_granularity, combine, alpha)
-    tensors = call.tensors()
     try:
+        # the call's tensors by launch-slot name (CallArgs.tensors, written out: it runs on every call)
+        tensors = {"a": a, "b": b, "out": out, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale,
+                   "signals": dst_signals, "alpha": alpha}
+        if combine is not None:
+            routing = tuple(combine)
+            tensors.update(token_index=routing[0], weight=routing[1], combined=routing[2], err=routing[3],
+                           peers=routing[4])
         # The plan for this signature: what the checks depend on that the
         # compiled function does not check itself (its TVM-FFI wrapper refuses,
         # before launching, what does not match the compiled dtypes, ties and
@@ -196,18 +200,21 @@ def grouped_gemm_nt_masked(
         plan = _PLANS.get(key)
         if plan is not None and not plan.pointers_ok(tensors):
             plan = None
-    except (AttributeError, TypeError, RuntimeError):
-        # not tensors, unhashable, or without strides (sparse): the full checks explain
-        key, plan = None, None
+    except (AttributeError, TypeError, RuntimeError, IndexError):
+        # not tensors, unhashable, without strides (sparse), a malformed combine: the full checks explain
+        key, plan, tensors = None, None, None
     if plan is not None:
         try:
             return _launch(plan, tensors)
         except Exception as refused:  # noqa: BLE001 - re-raised below unless a clearer error exists
             # The compiled function's own checks refused an argument the key
             # does not cover before launching: every check below names the argument.
-            _explain(refused, call)
+            _explain(refused, CallArgs(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config,
+                                       dst_signals, signal_granularity, combine, alpha))
+    call = CallArgs(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config, dst_signals,
+                    signal_granularity, combine, alpha)
     plan = _PLANS.put(key, _make_plan(call))
-    return _launch(plan, tensors)
+    return _launch(plan, call.tensors() if tensors is None else tensors)
 
 
 class CallArgs(NamedTuple):
@@ -242,6 +249,9 @@ def _launch(plan, tensors: dict):
     the dynamic order and its own dtype views; returns the call's result.
     On the tensors' GPU and its current torch stream, whatever the current
     device (TVM-FFI passes the first CUDA tensor's device's current stream)."""
+    if plan.plain and tensors["out"] is not None:  # the common call: nothing to prepare
+        plan.launch(tensors)
+        return tensors["out"] if plan.layout is None else (tensors["out"], plan.layout)
     if tensors["out"] is None and not plan.routed:
         tensors["out"] = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=tensors["a"].device)
     if plan.copy_a_scale:

@@ -27,8 +27,18 @@ def signature(family: str, tensors: Mapping, *options) -> tuple:
     if absent) and the options, each with its type (128 and 128.0, or 1 and
     True, must not share a plan). Raises AttributeError / TypeError for an
     argument that is no tensor or is unhashable: the caller then runs the
-    full checks, which name it."""
-    return (family, *map(tensor_key, tensors.values()), *((type(o), o) for o in options))
+    full checks, which name it. (Written out for the interpreter: it runs on
+    every call.)"""
+    key = [family]
+    add, extend = key.append, key.extend
+    for t in tensors.values():
+        if t is None:
+            add(None)
+        else:
+            extend((t.dtype, t.shape, t.stride(), t.get_device()))
+    for o in options:
+        extend((type(o), o))
+    return tuple(key)
 
 
 def extent(t) -> int:
@@ -44,9 +54,7 @@ class LaunchPlan:
     *scalars)``; slots: its tensor parameters' names; aligned / written: the
     names whose addresses must be 16-byte aligned / that the kernel writes;
     facts: what the caller needs at launch (output shape, signal layout, ...),
-    read as attributes."""
-
-    __slots__ = ("fn", "slots", "scalars", "_present", "_aligned", "_written", "_extents", "_last_ok", "facts")
+    set as attributes."""
 
     def __init__(self, fn, slots: tuple, tensors: Mapping, *, scalars: tuple = (), aligned=(), written=(),
                  **facts):
@@ -55,7 +63,12 @@ class LaunchPlan:
             raise ValueError(f"pointer rules name tensors that are not parameters: {sorted(unknown)}")
         # the compiled TVM-FFI function itself, not the DSL's Python wrapper around it
         self.fn = getattr(fn, "__tvm_ffi_object__", lambda: None)() or fn
-        self.slots, self.scalars, self.facts = tuple(slots), tuple(scalars), facts
+        self.slots, self.scalars = tuple(slots), tuple(scalars)
+        for name, value in facts.items():
+            setattr(self, name, value)
+        # a launch with nothing to prepare (no a_scale copy, claim counter, dtype views or routed result)
+        self.plain = not (facts.get("copy_a_scale") or facts.get("counter_device") is not None
+                          or facts.get("views") or facts.get("routed"))
         # the rules are kept by position among the present tensors (the signature
         # fixes which are present): the per-call check is then index arithmetic
         self._present = tuple(name for name in self.slots if tensors.get(name) is not None)
@@ -63,12 +76,6 @@ class LaunchPlan:
         self._written = tuple(i for i, name in enumerate(self._present) if name in written)
         self._extents = tuple(extent(tensors[name]) for name in self._present)
         self._last_ok = None
-
-    def __getattr__(self, name):
-        try:
-            return self.facts[name]
-        except KeyError:
-            raise AttributeError(name) from None
 
     def pointers_ok(self, tensors: Mapping) -> bool:
         """This call's addresses meet the rules: the aligned ones aligned,
