@@ -36,8 +36,7 @@ def signature(family: str, tensors: Mapping, *options) -> tuple:
             add(None)
         else:
             extend((t.dtype, t.shape, t.stride(), t.get_device()))
-    for o in options:
-        extend((type(o), o))
+    extend([(type(o), o) for o in options])
     return tuple(key)
 
 
@@ -101,8 +100,7 @@ class LaunchPlan:
     def launch(self, tensors: Mapping, *scalars) -> None:
         """Call the kernel: the tensors by slot (absent ones None), then this
         plan's scalars, then ``scalars``."""
-        get = tensors.get
-        self.fn(*[get(name) for name in self.slots], *self.scalars, *scalars)
+        self.fn(*map(tensors.get, self.slots), *self.scalars, *scalars)
 
 
 def planned(cache: "PlanCache", family: str, tensors: Mapping, options: tuple, make) -> "LaunchPlan":
