@@ -24,12 +24,14 @@ from ..config import (
     Tail,
     TileOrder,
 )
+from ..epilogue import family as epilogue_family
 from ..formats import Format
 
 A_CHUNK_ROWS = 32
-# the fused combine's builds: fp32 and bf16 sums, and bf16 rows stored into
-# the owner ranks' receive buffers (expert parallelism); one configuration each
-COMBINES = (Epilogue.COMBINE, Epilogue.COMBINE_BF16, Epilogue.COMBINE_PEERS)
+# the fused combine's builds (every epilogue of the "combine" family: fp32 and
+# bf16 sums, bf16 rows stored into the owner ranks' receive buffers); one
+# configuration each
+COMBINES = epilogue_family("combine")
 
 # ---- bf16 tiles -------------------------------------------------------------
 DECODE_CONFIG = GemmConfig(
