@@ -184,18 +184,9 @@ def grouped_gemm_nt_masked(
         if isinstance(combine, Combine) and combine.err is None and isinstance(a, torch.Tensor):
             combine = combine._replace(err=torch.zeros(1, dtype=torch.int32, device=a.device))
     try:
-        # the call's tensors by launch-slot name (CallArgs.tensors, written out: it runs on every call)
-        tensors = {"a": a, "b": b, "out": out, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale,
-                   "signals": dst_signals, "alpha": alpha}
-        if combine is not None:
-            routing = tuple(combine)
-            tensors.update(token_index=routing[0], weight=routing[1], combined=routing[2], err=routing[3],
-                           peers=routing[4])
-        # The plan for this signature: what the checks depend on that the
-        # compiled function does not check itself (its TVM-FFI wrapper refuses,
-        # before launching, what does not match the compiled dtypes, ties and
-        # alignments). Every tensor's device is in the key, so a plan never
-        # serves tensors on another GPU.
+        tensors = slot_tensors(a, b, out, masked_m, a_scale, b_scale, dst_signals, alpha, combine)
+        # The plan for this signature (every tensor's dtype, shape, strides
+        # and device: a plan never serves tensors on another GPU)
         key = signature("gemm", tensors, expected_m, num_sms, config, signal_granularity)
         plan = _PLANS.get(key)
         if plan is not None and not plan.pointers_ok(tensors):
@@ -235,12 +226,18 @@ class CallArgs(NamedTuple):
     alpha: object = None
 
     def tensors(self) -> dict:
-        """The call's tensors by launch-slot name (the fused combine's
-        routing included; absent ones None)."""
-        routing = tuple(self.combine) if self.combine is not None else (None,) * 5
-        return {"a": self.a, "b": self.b, "out": self.out, "masked_m": self.masked_m, "a_scale": self.a_scale,
-                "b_scale": self.b_scale, "signals": self.dst_signals, "alpha": self.alpha,
-                **dict(zip(ROUTING_SLOTS, routing))}
+        return slot_tensors(self.a, self.b, self.out, self.masked_m, self.a_scale, self.b_scale,
+                            self.dst_signals, self.alpha, self.combine)
+
+
+def slot_tensors(a, b, out, masked_m, a_scale, b_scale, signals, alpha, combine) -> dict:
+    """A call's tensors by launch-slot name, the fused combine's routing
+    only when there is one (absent ones read as None at launch)."""
+    tensors = {"a": a, "b": b, "out": out, "masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale,
+               "signals": signals, "alpha": alpha}
+    if combine is not None:
+        tensors.update(zip(ROUTING_SLOTS, tuple(combine)))
+    return tensors
 
 
 def _launch(plan, tensors: dict):
@@ -259,7 +256,7 @@ def _launch(plan, tensors: dict):
     if plan.counter_device is not None:
         tensors["counter"] = workspace.claim_counter(plan.counter_device)
     for name, dtype in plan.views:
-        if tensors[name].dtype is not dtype:  # (the key leaves these dtypes open: bytes or the real one)
+        if tensors[name].dtype is not dtype:  # (the public dtypes include bytes: the compiled one's view)
             tensors[name] = tensors[name].view(dtype)
     plan.launch(tensors)
     if plan.routed:

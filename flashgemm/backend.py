@@ -71,8 +71,9 @@ class Backend(abc.ABC):
         """The heuristic's configuration, from host-side facts only."""
 
     @abc.abstractmethod
-    def check_config_arg(self, config, fmt: Format, num_sms: Optional[int], signals: bool, combine: bool) -> None:
-        """A caller's ``config`` of this backend's type, before the device is known."""
+    def check_config_arg(self, config, fmt: Format, signals: bool, combine: bool) -> int:
+        """A caller's ``config`` of this backend's type, before the device is
+        known; returns its CTAs per cluster (``num_sms`` must reach it)."""
 
     @abc.abstractmethod
     def reachable_specs(self) -> tuple:

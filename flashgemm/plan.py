@@ -18,10 +18,6 @@ from typing import Mapping, Optional
 from .validation import TMA_ALIGN, span
 
 
-def tensor_key(t) -> Optional[tuple]:
-    return None if t is None else (t.dtype, t.shape, t.stride(), t.get_device())
-
-
 def signature(family: str, tensors: Mapping, *options) -> tuple:
     """The plan key of a call: ``family``, every named tensor's metadata (None
     if absent) and the options, each with its type (128 and 128.0, or 1 and

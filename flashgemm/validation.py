@@ -313,7 +313,9 @@ def check_config_arg(config, fmt: Format, num_sms, signals: bool, combine: bool)
     if config is not None:
         from . import backend
 
-        backend.for_config(config).check_config_arg(config, fmt, num_sms, signals, combine)
+        cluster = backend.for_config(config).check_config_arg(config, fmt, signals, combine)
+        if num_sms is not None and num_sms < cluster:
+            raise ValueError(f"config.cluster_n={cluster} needs num_sms >= {cluster}, got {num_sms}")
 
 
 def check_options(fmt: Format, config, expected_m, num_sms, signals: bool, combine: bool) -> None:

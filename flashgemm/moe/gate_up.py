@@ -129,7 +129,7 @@ def gate_up_swiglu(
     tensors = {"a": x, "b": w13, "out": out, "masked_m": masked_m, "a_scale": x_scale, "b_scale": w13_scale,
                "out_scale": out_scale}
     plan = planned(_PLANS, "gate_up_swiglu", tensors, (expected_m, num_sms), lambda: _make_plan(
-        x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m, num_sms))
+        x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m, num_sms, dict(tensors)))
     e_count, max_m, inter = plan.out_shape
     if fp8:
         if out is None:
@@ -146,8 +146,8 @@ def gate_up_swiglu(
     return (tensors["out"], tensors["out_scale"]) if fp8 else tensors["out"]
 
 
-def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m, num_sms):
-    """Every check, before anything launches."""
+def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m, num_sms, tensors: dict):
+    """Every check, before anything launches; ``tensors``: the same by launch slot."""
     check_tensor("x", x, 3, (FP8, torch.bfloat16))
     check_tensor("w13", w13, 3, (x.dtype,))
     fp8 = x.dtype == FP8
@@ -191,7 +191,5 @@ def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m,
     fmt = Format.FP8_BLOCK128 if fp8 else Format.BF16
     return be.make_plan(backends.GemmCall(
         fmt=fmt, sizes=(e_count, max_m, two_i, hidden),
-        tensors={"a": x, "b": w13, "out": out, "masked_m": masked_m, "a_scale": x_scale, "b_scale": w13_scale,
-                 "out_scale": out_scale},
-        routing=(), combine=None, expected_m=expected_m, config=None, granularity="m_block",
+        tensors=tensors, routing=(), combine=None, expected_m=expected_m, config=None, granularity="m_block",
         grid_cap=grid_cap, device_index=index, epilogue=epilogue))

@@ -54,7 +54,7 @@ class Sm100Backend(Backend):
 
         return choose_config(fmt, num_experts or 1, max_m, n, k, expected_m, num_sms)
 
-    def check_config_arg(self, config, fmt, num_sms, signals, combine) -> None:
+    def check_config_arg(self, config, fmt, signals, combine) -> int:
         from .limits import check_config
 
         if combine:
@@ -67,9 +67,7 @@ class Sm100Backend(Backend):
         check_config(config)
         if config.fmt is not fmt:
             raise ValueError(f"config.fmt is {config.fmt.value} but the operands are {fmt.value}")
-        if num_sms is not None and num_sms < config.cluster_size:
-            raise ValueError(f"config.cluster_n={config.cluster_size} needs num_sms >= {config.cluster_size}, "
-                             f"got {num_sms}")
+        return config.cluster_size
 
     def reachable_specs(self) -> tuple:
         from .blockwise_build import blockwise_specs

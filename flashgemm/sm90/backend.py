@@ -40,18 +40,13 @@ class Sm90Backend(Backend):
 
         return resolve_config(None, fmt, expected_m, max_m, n, k, num_sms, num_experts, signals, epilogue)
 
-    def check_config(self, config: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> GemmConfig:
-        return validated_config(config, fmt, epilogue)
-
-    def check_config_arg(self, config, fmt, num_sms, signals, combine) -> None:
+    def check_config_arg(self, config, fmt, signals, combine) -> int:
         if fmt not in self.formats:
             raise TypeError(f"config on an sm_100 GPU must be a flashgemm.Sm100Config or None ({fmt.value} "
                             "operands run on sm_100 / sm_103 only), got GemmConfig")
         validated_config(config, fmt, Epilogue.COMBINE if combine else Epilogue.STORE)
         check_tail_with_signals(config, signals)
-        if num_sms is not None and num_sms < config.cluster_n:
-            raise ValueError(f"config.cluster_n={config.cluster_n} needs num_sms >= {config.cluster_n}, "
-                             f"got {num_sms}")
+        return config.cluster_n
 
     def reachable_specs(self, fmt: Optional[Format] = None) -> tuple:
         from .heuristic import reachable_specs
