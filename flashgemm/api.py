@@ -12,8 +12,11 @@ import torch
 
 from . import backend as backends
 from . import workspace
-from .blockscaled_args import check_alpha, format_of, infer_format, validate_blockscaled_args
+from .blockscaled_args import (
+    check_alpha, format_of, infer_format, validate_blockscaled_args, validate_mxfp4_weight_args,
+)
 from .config import GemmConfig
+from .formats import Format
 from .jit.arch import default_arch, device_facts
 from .plan import PlanCache, signature
 from .routing import COMBINE_FIELDS, ROUTING_SLOTS, Combine, check_combine
@@ -307,9 +310,12 @@ def _make_plan(call: CallArgs):
     backend of the GPU makes the plan."""
     a, b, out, masked_m, a_scale, b_scale = call.a, call.b, call.out, call.masked_m, call.a_scale, call.b_scale
     combine, dst_signals, alpha = call.combine, call.dst_signals, call.alpha
-    fmt = infer_format(a, a_scale)
+    fmt = infer_format(a, a_scale, b)
     if fmt.block_scaled:
         sizes = validate_blockscaled_args(fmt, a, b, out, masked_m, a_scale, b_scale, alpha)
+    elif fmt is Format.FP8_MXFP4:
+        sizes = validate_mxfp4_weight_args(a, b, out, masked_m, a_scale, b_scale)
+        check_alpha(fmt, alpha, sizes[0])
     else:
         sizes = validate_args(a, b, out, masked_m, a_scale, b_scale)
         check_alpha(fmt, alpha, sizes[0])  # (after a's checks: an alpha may mean a's dtype is the mistake)

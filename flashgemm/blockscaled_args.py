@@ -1,5 +1,6 @@
 """The operand format of a call, and the host-side checks of the
-block-scaled (MXFP8 / NVFP4) arguments, before anything is launched.
+block-scaled (MXFP8 / NVFP4, and MXFP4 weights with fp8 activations)
+arguments, before anything is launched.
 
 Like ``validation``, every check reads metadata only (shapes, strides,
 dtypes, pointers), so CPU tensors drive all of them; each failure names the
@@ -14,6 +15,7 @@ bfloat16                               None                          BF16
 float8_e4m3fn                          float32 (1x128 / 128x128)     FP8_BLOCK128
 float8_e4m3fn                          float8_e8m0fnu or uint8       MXFP8
 uint8 or float4_e2m1fn_x2 (packed)     float8_e4m3fn                 NVFP4
+a float8_e4m3fn, b int8 (prepared)     float32 / E8M0, N contiguous  FP8_MXFP4
 =====================================  ============================  ============
 
 uint8 is accepted for E8M0 scales because ``blockscale.quantize_mxfp8``
@@ -38,7 +40,7 @@ _ATOM_ROWS, _ATOM_COLS = 128, 4  # one scale atom: 128 rows x 4 scale columns (5
 _OUT_ALIGN = 8  # bf16 output rows are whole 16-byte TMA lines
 
 
-def infer_format(a, a_scale) -> Format:
+def infer_format(a, a_scale, b=None) -> Format:
     """The format a call's dtypes select (see the module's table). Anything
     it cannot place goes to BF16's checks, whose errors name the dtype."""
     dtype = getattr(a, "dtype", None)
@@ -47,6 +49,8 @@ def infer_format(a, a_scale) -> Format:
     if dtype != FP8:
         return Format.BF16
     sdtype = getattr(a_scale, "dtype", None)
+    if getattr(b, "dtype", None) in _FP4_BYTES + (torch.int8,) and sdtype in (None, torch.float32):
+        return Format.FP8_MXFP4  # (raw packed b is refused by its checks, naming prepare_weights)
     if sdtype is None or sdtype == torch.float32:
         return Format.FP8_BLOCK128  # (a missing scale is reported by its checks)
     if sdtype in _MX_SCALE_DTYPES:
@@ -138,18 +142,77 @@ def validate_blockscaled_args(
     _check_scale("a_scale", a_scale, fmt, blocked_scale_shape(fmt, e_count, max_m, k), "max_m")
     _check_scale("b_scale", b_scale, fmt, blocked_scale_shape(fmt, e_count, n, k), "N")
     check_alpha(fmt, alpha, e_count)
+    _check_out_and_operands(a, b, out, (e_count, max_m, n),
+                            {"masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale, "alpha": alpha})
+    return e_count, max_m, n, k
+
+
+def validate_mxfp4_weight_args(a, b, out, masked_m, a_scale, b_scale) -> tuple[int, int, int, int]:
+    """Every metadata check of an FP8_MXFP4 call: a and a_scale as for
+    1x128 fp8; b int8 [E, N, K/2] and b_scale [E, N, K/32] E8M0 bytes stored
+    N contiguous, as ``mxfp4.prepare_weights`` makes them. Returns (E, max_m, N, K)."""
+    check_tensor("a", a, 3, (FP8,))
+    if isinstance(b, torch.Tensor) and b.dtype in _FP4_BYTES:
+        raise TypeError(f"MXFP4 weights ({b.dtype}) go to the Hopper kernel in its own layout: pass "
+                        "b, b_scale = flashgemm.mxfp4.prepare_weights(packed, scales) (int8 b), made once per weight")
+    check_tensor("b", b, 3, (torch.int8,))
+    check_tensor("masked_m", masked_m, 1, (torch.int32,))
+    e_count, max_m, k = a.shape
+    n, b_k = check_expert_dims(a, b)
+    if 2 * b_k != k:
+        raise ValueError(f"b.shape[2] must be K/2 = {k // 2} (two e2m1 codes per byte; K = a.shape[2] = {k}), "
+                         f"got {b_k}")
+    if k < 32 or k % 32:
+        raise ValueError(f"K (a.shape[2]) must be a positive multiple of 32 for MXFP4 weights (whole E8M0 "
+                         f"groups, 16-byte packed rows), got {k}")
+    if n < 16 or n % 16:
+        raise ValueError(f"N (b.shape[1]) must be a positive multiple of 16 for MXFP4 weights (16-byte rows "
+                         f"of the N-contiguous exponents), got {n}")
+    check_masked_m(masked_m, e_count)
+    if a_scale is None:
+        raise ValueError("float8_e4m3fn a needs a_scale: float32 [E, max_m, ceil(K/128)]; got None")
+    check_tensor("a_scale", a_scale, 3, (torch.float32,))
+    want_a = (e_count, max_m, -(-k // 128))
+    if tuple(a_scale.shape) != want_a:
+        raise ValueError(f"a_scale must have shape (E, max_m, ceil(K/128)) = {want_a}, got {tuple(a_scale.shape)}")
+    st = a_scale.stride()
+    if st[1] != 1 and st[2] != 1:
+        raise ValueError("a_scale must be contiguous along M (stride(1) == 1, the TMA layout) or along "
+                         f"the K blocks (stride(2) == 1), got strides {tuple(st)}")
+    if b_scale is None:
+        raise ValueError("MXFP4 weights need b_scale: E8M0 exponents [E, N, K/32] stored N contiguous "
+                         "(flashgemm.mxfp4.prepare_weights); got None")
+    check_tensor("b_scale", b_scale, 3, _MX_SCALE_DTYPES)
+    want_b = (e_count, n, k // 32)
+    if tuple(b_scale.shape) != want_b:
+        raise ValueError(f"b_scale must have shape (E, N, K/32) = {want_b}, got {tuple(b_scale.shape)}")
+    sst = b_scale.stride()
+    if sst[1] != 1:
+        raise ValueError("b_scale must be stored N contiguous (stride(1) == 1; flashgemm.mxfp4.prepare_weights "
+                         f"gives that layout from a checkpoint's scales), got strides {tuple(sst)}")
+    for dim in (0, 2):
+        if sst[dim] % 16 or (sst[dim] == 0 and b_scale.shape[dim] > 1):
+            raise ValueError(f"b_scale.stride({dim}) must be a nonzero multiple of 16 bytes (TMA), got {sst[dim]}")
+    if b_scale.data_ptr() % 16:
+        raise ValueError("b_scale base address must be 16-byte aligned")
+    _check_out_and_operands(a, b, out, (e_count, max_m, n),
+                            {"masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale})
+    return e_count, max_m, n, k
+
+
+def _check_out_and_operands(a, b, out, out_shape: tuple, others: dict) -> None:
+    """out bf16 of ``out_shape`` (if given), a and b TMA operands, and out
+    sharing no byte with a, b or ``others``."""
     if out is not None:
         check_tensor("out", out, 3, (torch.bfloat16,))
-        if tuple(out.shape) != (e_count, max_m, n):
-            raise ValueError(f"out must have shape (E, max_m, N) = {(e_count, max_m, n)}, got {tuple(out.shape)}")
+        if tuple(out.shape) != out_shape:
+            raise ValueError(f"out must have shape (E, max_m, N) = {out_shape}, got {tuple(out.shape)}")
     span_a = _check_tma_operand("a", a, "K")
     span_b = _check_tma_operand("b", b, "K")
     if out is not None:
         span_out = _check_tma_operand("out", out, "N", is_input=False)
         _check_no_self_overlap("out", out)
-        check_no_alias("out", span_out, {"a": span_a, "b": span_b, "masked_m": masked_m, "a_scale": a_scale,
-                                         "b_scale": b_scale, "alpha": alpha})
-    return e_count, max_m, n, k
+        check_no_alias("out", span_out, {"a": span_a, "b": span_b, **others})
 
 
 def format_of(fmt=None, fp8: bool = False) -> Format:

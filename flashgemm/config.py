@@ -198,7 +198,7 @@ class GemmConfig:
             raise ValueError(f"config.cluster_n must be 1 or 2, got {self.cluster_n}")
         if self.stages < 0:
             raise ValueError(f"config.stages must be >= 0 (0 = auto), got {self.stages}")
-        if self.promotion is not Promotion.SERIAL and fmt is not Format.FP8_BLOCK128:
+        if self.promotion is not Promotion.SERIAL and not fmt.promotes:
             raise ValueError(
                 f"config.promotion={self.promotion.name} applies to block-scaled fp8 operands only"
             )

@@ -10,6 +10,11 @@ are shaped and typed, and what the epilogue multiplies in:
 * ``MXFP8``: e4m3 elements, one E8M0 scale per 32 of K on both operands.
 * ``NVFP4``: e2m1 packed two per byte along K, one e4m3 scale per 16 of K,
   and a per-expert fp32 ``alpha`` (``blockscale.nvfp4_alpha``).
+* ``FP8_MXFP4``: 4-bit weights with fp8 activations. ``a`` as in
+  FP8_BLOCK128 (e4m3, fp32 scales per 1x128); ``b`` MXFP4: e2m1 two per
+  byte along K, one E8M0 exponent per 32 of K, in the layout
+  ``mxfp4.prepare_weights`` makes (int8 bytes; exponents N contiguous).
+  Hopper converts b to e4m3 in the kernel.
 
 MXFP8 and NVFP4 scales use the 128x4-atom layout of ``blockscale``.
 """
@@ -25,15 +30,23 @@ class Format(enum.Enum):
     FP8_BLOCK128 = "fp8_block128"
     MXFP8 = "mxfp8"
     NVFP4 = "nvfp4"
+    FP8_MXFP4 = "fp8_mxfp4"
 
     @property
     def sf_vec_size(self) -> Optional[int]:
         """Elements of K that share one scale factor (None without scales)."""
-        return {Format.BF16: None, Format.FP8_BLOCK128: 128, Format.MXFP8: 32, Format.NVFP4: 16}[self]
+        return {Format.BF16: None, Format.FP8_BLOCK128: 128, Format.MXFP8: 32, Format.NVFP4: 16,
+                Format.FP8_MXFP4: 32}[self]
 
     @property
     def element_bits(self) -> int:
-        return {Format.BF16: 16, Format.FP8_BLOCK128: 8, Format.MXFP8: 8, Format.NVFP4: 4}[self]
+        """Bits per element of ``a`` (the MMA's operand width)."""
+        return {Format.BF16: 16, Format.FP8_BLOCK128: 8, Format.MXFP8: 8, Format.NVFP4: 4, Format.FP8_MXFP4: 8}[self]
+
+    @property
+    def weight_bits(self) -> int:
+        """Bits per element of ``b`` as stored."""
+        return 4 if self is Format.FP8_MXFP4 else self.element_bits
 
     @property
     def elem_bytes(self):
@@ -48,6 +61,11 @@ class Format(enum.Enum):
         return 1024 // self.element_bits
 
     @property
+    def promotes(self) -> bool:
+        """e4m3 products promoted with fp32 scales per 1x128 of ``a`` (Hopper's fp8 recipe)."""
+        return self in (Format.FP8_BLOCK128, Format.FP8_MXFP4)
+
+    @property
     def block_scaled(self) -> bool:
         """Scales applied by the tensor core (Blackwell ``kind::mx*.block_scale``)."""
         return self in (Format.MXFP8, Format.NVFP4)
@@ -55,4 +73,4 @@ class Format(enum.Enum):
     @property
     def k_align(self) -> int:
         """K must be a multiple of this (a whole scale block, and 16-byte TMA rows)."""
-        return {Format.BF16: 8, Format.FP8_BLOCK128: 128, Format.MXFP8: 32, Format.NVFP4: 32}[self]
+        return {Format.BF16: 8, Format.FP8_BLOCK128: 128, Format.MXFP8: 32, Format.NVFP4: 32, Format.FP8_MXFP4: 32}[self]

@@ -32,6 +32,8 @@ PTX_FEATURES = {
     # addresses); a STORE kernel's partial-tile stores load no address
     "combine-peer-store": re.compile(r"ld\.global\.b64\s.*?st\.global\.v4\.b32\s", re.S),
     "fp8-cvt": "cvt.rn.satfinite.e4m3x2.f32",
+    # MXFP4 weights on Hopper: the e2m1 -> e4m3 table lookups (device.e2m1)
+    "e2m1-lookup": "prmt.b32",
     # the EP completion handshake: counts into the peers, waits on their counts
     "sys-release": "red.release.sys.global.add.s32",
     "sys-acquire": "ld.acquire.sys.global",

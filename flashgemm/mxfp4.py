@@ -11,6 +11,14 @@ E8M0 exponent per 32 of K.
 * ``dequantize_mxfp4(packed, scales)``: float32 ``e2m1 * 2**(scale - 127)``.
 * ``from_checkpoint(blocks, scales)``: gpt-oss's ``*_blocks`` [..., N, K/32,
   16] and ``*_scales`` [..., N, K/32] as (packed, scales) (a view, no copy).
+* ``prepare_weights(packed, scales)``: the weights as the Hopper kernel
+  takes them (``Format.FP8_MXFP4``), made once at load time: int8 [E, N,
+  K/2] bytes in the kernel's nibble layout (``device.e2m1``: each sign bit
+  where the conversion ORs it in) and the exponents stored N contiguous (one
+  TMA box brings a tile's). ``unprepare_weights`` undoes the byte layout.
+* ``dequantize_as_kernel(packed, scales, tile_n)``: what that kernel
+  multiplies: ``dequantize_mxfp4`` with the groups more than 14 binades
+  below their tile's largest exponent flushed to zero.
 * ``to_fp8_blockwise(packed, scales)``: the same values as e4m3 with one
   fp32 scale per 128x128 block (DeepSeek's weight recipe, what the fp8
   kernels take), exactly: within a block, a 32-value group with exponent s
@@ -94,6 +102,62 @@ def from_checkpoint(blocks: torch.Tensor, scales: torch.Tensor):
     packed = blocks.flatten(-2)
     _check_pair(packed, scales)
     return packed, scales.view(torch.uint8)
+
+
+def prepare_weights(packed: torch.Tensor, scales: torch.Tensor):
+    """(packed [E, N, K/2], scales [E, N, K/32]) in the OCP layout (uint8 or
+    float4_e2m1fn_x2; uint8 or float8_e8m0fnu) -> (b int8 [E, N, K/2], b_scale
+    uint8 [E, N, K/32] stored N contiguous): what ``grouped_gemm_nt_masked``
+    takes for MXFP4 weights on Hopper. Byte j of each 4-byte word (values k0..k7)
+    is ``mag(k_2j) | sign(k_4+j) << 3 | mag(k_2j+1) << 4 | sign(k_j) << 7``."""
+    codes, s = _check_pair(packed, scales)
+    if codes.dim() != 3:
+        raise ValueError(f"packed must be [E, N, K/2], got {tuple(packed.shape)}")
+    b = kernel_bytes(codes)
+    # (allocated explicitly: .contiguous() keeps a size-1 dim's unaligned stride)
+    exps = torch.empty(s.shape[:-2] + (s.shape[-1], s.shape[-2]), dtype=torch.uint8, device=s.device)
+    exps.copy_(s.transpose(-1, -2))
+    return b, exps.transpose(-1, -2)
+
+
+def kernel_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes [..., K] (K a multiple of 8) -> int8 [..., K/2] in the kernel's layout."""
+    words = codes.unflatten(-1, (codes.shape[-1] // 8, 8)).to(torch.int32)
+    mag, sign = words & 7, words >> 3
+    by = [mag[..., 2 * j] | sign[..., 4 + j] << 3 | mag[..., 2 * j + 1] << 4 | sign[..., j] << 7 for j in range(4)]
+    return torch.stack(by, dim=-1).flatten(-2).to(torch.uint8).view(torch.int8)
+
+
+def unprepare_weights(b: torch.Tensor, b_scale: torch.Tensor):
+    """The inverse of :func:`prepare_weights`: (packed uint8, scales uint8 contiguous) in the OCP layout."""
+    if not isinstance(b, torch.Tensor) or b.dtype != torch.int8 or b.shape[-1] % 4:
+        raise ValueError(f"b must be int8 [..., K/2] from prepare_weights, got {getattr(b, 'dtype', type(b))}")
+    by = b.view(torch.uint8).to(torch.int32).unflatten(-1, (b.shape[-1] // 4, 4))
+    mag = [None] * 8
+    sign = [None] * 8
+    for j in range(4):
+        mag[2 * j], mag[2 * j + 1] = by[..., j] & 7, (by[..., j] >> 4) & 7
+        sign[4 + j], sign[j] = (by[..., j] >> 3) & 1, by[..., j] >> 7
+    codes = torch.stack([m | s << 3 for m, s in zip(mag, sign)], dim=-1).flatten(-2)
+    return pack_e2m1(codes), b_scale.view(torch.uint8).contiguous()
+
+
+def dequantize_as_kernel(packed: torch.Tensor, scales: torch.Tensor, tile_n: int) -> torch.Tensor:
+    """float32 [E, N, K]: the weights the FP8_MXFP4 kernel multiplies. Per
+    tile of ``tile_n`` rows and 128 columns it folds each group's exponent
+    into e4m3 relative to the tile's largest, 2**(s - s_max + 6); a group
+    more than 14 below is flushed to zero (its values are below 2**-12 of
+    the tile's largest magnitude)."""
+    values = dequantize_mxfp4(packed, scales)
+    s = scales.view(torch.uint8).to(torch.int64)
+    e_count, n, groups = s.shape
+    per_tile = FP8_BLOCK // MX_BLOCK
+    nt, kt = -(-n // tile_n), -(-groups // per_tile)
+    tiles = torch.nn.functional.pad(s, (0, kt * per_tile - groups, 0, nt * tile_n - n))
+    top = tiles.view(e_count, nt, tile_n, kt, per_tile).amax(dim=(2, 4))
+    top = top.repeat_interleave(tile_n, dim=1)[:, :n].repeat_interleave(per_tile, dim=2)[:, :, :groups]
+    keep = (s - (top - _FOLD_TOP)) >= -(FOLD_SPAN - _FOLD_TOP)
+    return values * keep.repeat_interleave(MX_BLOCK, dim=-1)
 
 
 def to_fp8_blockwise(packed: torch.Tensor, scales: torch.Tensor):

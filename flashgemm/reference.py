@@ -27,8 +27,10 @@ def grouped_gemm_nt_masked_ref(
     """out[e, :m_e] = a[e, :m_e] @ b[e].T in ``acc_dtype``; rows >= m_e are taken
     from ``out`` when given (the kernel leaves them untouched), else zero.
 
-    float8_e4m3fn operands need ``a_scale`` (1x128) and ``b_scale`` (128x128):
-    the product is taken of the dequantized operands.
+    float8_e4m3fn operands need ``a_scale`` (1x128) and ``b_scale`` (128x128),
+    or for MXFP4 weights (int8 ``b`` and its E8M0 ``b_scale`` from
+    ``mxfp4.prepare_weights``) the exponents: the product is taken of the
+    dequantized operands.
 
     Returns a tensor of dtype ``acc_dtype`` (round it to compare with a bf16 result).
     """
@@ -36,7 +38,12 @@ def grouped_gemm_nt_masked_ref(
         if a_scale is None or b_scale is None:
             raise ValueError("float8_e4m3fn operands need a_scale and b_scale")
         a = dequantize_fp8_per_token(a, a_scale)
-        b = dequantize_fp8_per_block(b, b_scale)
+        if b.dtype == torch.int8:
+            from .mxfp4 import dequantize_mxfp4, unprepare_weights
+
+            b = dequantize_mxfp4(*unprepare_weights(b, b_scale))
+        else:
+            b = dequantize_fp8_per_block(b, b_scale)
     elif a_scale is not None or b_scale is not None:
         raise ValueError(f"scales are only for float8_e4m3fn operands, got {a.dtype}")
     e_count, max_m, _ = a.shape

@@ -144,9 +144,12 @@ def test_short_name_distinguishes_configs():
     assert len(fp8_names) == len(FP8_CONFIGS)
     # one name per kernel
     specs = reachable_specs()
-    # 78 stores; 26 fused combines into fp32, 26 into bf16 and 26 into the peers'
-    # receive buffers; 16 gate_up kernels with the SwiGLU fused
-    assert len({s.name() for s in specs}) == len(specs) == 172
+    # bf16 and fp8: 78 stores; 26 fused combines into fp32, 26 into bf16 and 26
+    # into the peers' receive buffers; 16 gate_up kernels with the SwiGLU fused.
+    # MXFP4 weights: the fp8 picks adapted (some 64-wide ones become the same 128-wide tile)
+    mxfp4 = reachable_specs(Format.FP8_MXFP4)
+    assert len(mxfp4) == 78
+    assert len({s.name() for s in specs}) == len(specs) == 172 + len(mxfp4)
     base = GemmConfig().short_name()
     for changes in (
         dict(l2_hints=True), dict(order=TileOrder.N_MAJOR), dict(order=TileOrder.DYNAMIC),
@@ -388,8 +391,8 @@ def test_heuristic_sweep_yields_exactly_the_reachable_specs():
             act = choose_activation_config(m, max_m, n, k, num_sms, fp8, e)
             got.add(KernelSpec(act, ops, None, Epilogue.SWIGLU_FP8 if fp8 else Epilogue.SWIGLU_BF16))
     assert calls > 100_000
-    want = set(reachable_specs())
-    assert len(want) == len(reachable_specs()) == 172
+    want = set(reachable_specs(BF16)) | set(reachable_specs(FP8))  # (MXFP4 weights: test_mxfp4_kernel)
+    assert len(want) == 172
     assert sum(s.epilogue.activates for s in want) == 16
     assert sum(s.epilogue is Epilogue.COMBINE for s in want) == 26
     assert sum(s.epilogue is Epilogue.COMBINE_BF16 for s in want) == 26
@@ -397,7 +400,8 @@ def test_heuristic_sweep_yields_exactly_the_reachable_specs():
     missing = sorted(s.name() for s in want - got)
     extra = sorted(s.name() for s in got - want)
     assert not missing and not extra, (missing, extra)
-    assert set(reachable_specs(BF16)) | set(reachable_specs(FP8)) == want
+    assert set(reachable_specs(BF16)) | set(reachable_specs(FP8)) | set(reachable_specs(Format.FP8_MXFP4)) \
+        == set(reachable_specs())
     assert all(s.fmt is BF16 for s in reachable_specs(BF16))
     assert all(s.fmt is FP8 for s in reachable_specs(FP8))
 

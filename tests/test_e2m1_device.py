@@ -8,6 +8,7 @@ import torch
 
 from flashgemm.blockscale import e2m1_to_float
 from flashgemm.device import e2m1
+from flashgemm.mxfp4 import kernel_bytes
 
 
 def _prmt(a: int, b: int, c: int) -> int:
@@ -25,33 +26,61 @@ def _prmt(a: int, b: int, c: int) -> int:
     return out
 
 
-def _model(word: int) -> tuple:
-    """The helper's arithmetic on Python ints (32-bit words)."""
+def _table_model(d: int) -> tuple:
+    """``e2m1.scaled_table``'s arithmetic on Python ints (32-bit words)."""
+    if d < e2m1.MIN_SHIFT:
+        return 0, 0
+    lo = e2m1.POS_LO + d * e2m1.EXP_STEP_LO if d >= e2m1.LO_NORMAL_SHIFT else e2m1.SUB_LO_AT_MIN << (d - e2m1.MIN_SHIFT)
+    hi = e2m1.POS_HI + d * e2m1.EXP_STEP_HI if d >= e2m1.HI_NORMAL_SHIFT else e2m1.SUB_HI_AT_MIN
+    return lo & 0xFFFFFFFF, hi & 0xFFFFFFFF
+
+
+def _model(word: int, d: int = 0) -> tuple:
+    """``e2m1.e2m1x8_to_e4m3x8``'s arithmetic on Python ints (32-bit words)."""
+    lo_t, hi_t = _table_model(d)
     mags = word & 0x77777777
-    pick = (((word & 0x88888888) >> 1) & 0x44444444) | e2m1.PICK
-    words = []
-    for half in range(2):
-        sel = mags >> (16 * half)
-        pos = _prmt(e2m1.POS_LO, e2m1.POS_HI, sel)
-        neg = _prmt(e2m1.POS_LO | e2m1.SIGN, e2m1.POS_HI | e2m1.SIGN, sel)
-        words.append(_prmt(pos, neg, pick >> (16 * half)))
-    return tuple(words)
+    lo = _prmt(lo_t, hi_t, mags) | (word & e2m1.SIGN)
+    hi = _prmt(lo_t, hi_t, mags >> 16) | ((word << 4) & e2m1.SIGN)
+    return lo, hi
 
 
-def _expected_bytes(codes: torch.Tensor) -> torch.Tensor:
-    """e4m3 bytes of the e2m1 values of ``codes``, by torch's conversion."""
-    return e2m1_to_float(codes).to(torch.float8_e4m3fn).view(torch.uint8)
+def _words(codes: torch.Tensor) -> list:
+    """Codes [..., 8] as the kernel's 32-bit words (``mxfp4.kernel_bytes``)."""
+    b = kernel_bytes(codes).view(torch.uint8).to(torch.int64)
+    return (b * torch.tensor([1, 1 << 8, 1 << 16, 1 << 24])).sum(-1).tolist()
 
 
-def test_every_four_codes_convert_exactly():
-    # every combination of four codes, in both halves of the word
+def _all_codes() -> torch.Tensor:
+    """[65536, 8]: k0..k3 take every combination of four codes, k4..k7 every one too (in another order)."""
     combos = torch.arange(1 << 16, dtype=torch.int64)
-    codes = torch.stack([(combos >> (4 * j)) & 15 for j in range(4)], dim=-1)
-    want = _expected_bytes(codes).to(torch.int64)
-    want_words = (want * torch.tensor([1, 1 << 8, 1 << 16, 1 << 24])).sum(-1).tolist()
-    for combo, expected in zip(combos.tolist(), want_words):
-        assert _model(combo)[0] == expected, hex(combo)
-        assert _model(combo << 16)[1] == expected, hex(combo)
+    low = torch.stack([(combos >> (4 * j)) & 15 for j in range(4)], dim=-1)
+    return torch.cat([low, low.flip(0)], dim=-1)
+
+
+@pytest.mark.parametrize("d", range(e2m1.MIN_SHIFT - 2, e2m1.MAX_SHIFT + 1))
+def test_scaled_tables_are_exact_in_range_and_flush_below(d):
+    # every four codes in each half of a word, against torch's e4m3 of value * 2**d
+    codes = _all_codes()
+    values = e2m1_to_float(codes).double() * 2.0 ** d
+    if d < e2m1.MIN_SHIFT:
+        values = values * 0.0  # flushed (keeps the sign of zero)
+    e4m3 = values.to(torch.float8_e4m3fn)
+    assert torch.equal(e4m3.double(), values)  # exact in e4m3
+    want = e4m3.view(torch.uint8).to(torch.int64) * torch.tensor([1 << (8 * (j % 4)) for j in range(8)])
+    want_lo, want_hi = want[:, :4].sum(-1).tolist(), want[:, 4:].sum(-1).tolist()
+    got = [_model(w, d) for w in _words(codes)]
+    assert [g[0] for g in got] == want_lo
+    assert [g[1] for g in got] == want_hi
+
+
+def test_kernel_layout_round_trips():
+    from flashgemm.mxfp4 import prepare_weights, quantize_mxfp4, unprepare_weights
+
+    packed, scales = quantize_mxfp4(torch.randn(3, 40, 96))
+    b, b_scale = prepare_weights(packed, scales)
+    assert b.dtype == torch.int8 and b_scale.stride(1) == 1
+    back = unprepare_weights(b, b_scale)
+    assert torch.equal(back[0], packed) and torch.equal(back[1], scales)
 
 
 def _kernel_ptx_and_fn():
@@ -59,16 +88,16 @@ def _kernel_ptx_and_fn():
     import cutlass.cute as cute
 
     @cute.kernel
-    def convert(mIn: cute.Tensor, mOut: cute.Tensor):
+    def convert(mIn: cute.Tensor, mOut: cute.Tensor, d: cutlass.Int32):
         i = cute.arch.block_idx()[0] * 128 + cute.arch.thread_idx()[0]
         if i < cute.size(mIn):
-            lo, hi = e2m1.e2m1x8_to_e4m3x8(cutlass.Int32(mIn[i]))
+            lo, hi = e2m1.e2m1x8_to_e4m3x8(cutlass.Int32(mIn[i]), e2m1.scaled_table(d))
             mOut[2 * i] = lo
             mOut[2 * i + 1] = hi
 
     @cute.jit
-    def launch(mIn: cute.Tensor, mOut: cute.Tensor, blocks: cutlass.Int32, stream):
-        convert(mIn, mOut).launch(grid=[blocks, 1, 1], block=[128, 1, 1], stream=stream)
+    def launch(mIn: cute.Tensor, mOut: cute.Tensor, d: cutlass.Int32, blocks: cutlass.Int32, stream):
+        convert(mIn, mOut, d).launch(grid=[blocks, 1, 1], block=[128, 1, 1], stream=stream)
 
     from flashgemm.jit.options import compile_options
 
@@ -76,7 +105,7 @@ def _kernel_ptx_and_fn():
     fake = cute.runtime.make_fake_compact_tensor
     with compile_options(True) as options:
         fn = cute.compile(launch, fake(cutlass.Int32, (n,), assumed_align=4),
-                          fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4), cutlass.Int32(1),
+                          fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4), cutlass.Int32(0), cutlass.Int32(1),
                           cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=options)
     return fn.__ptx__, fn
 
@@ -89,20 +118,22 @@ def built():
     return _kernel_ptx_and_fn()
 
 
-def test_three_prmt_per_four_values(built):
+def test_two_prmt_per_eight_values(built):
     ptx, _ = built
-    assert ptx.count("prmt.b32") == 6  # one word of 8 codes: two halves of three
+    assert ptx.count("prmt.b32") == 2  # one word of 8 values: one table lookup per half
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
-def test_on_the_gpu_every_code_pair(built, seed):
+@pytest.mark.parametrize("d", [-9, -8, -7, -6, -5, 0, 6])
+def test_on_the_gpu_as_the_model(built, d, seed):
+    # the model is checked against torch above; any 32-bit pattern is a word of the layout
     _, fn = built
     words = torch.randint(-(1 << 31), 1 << 31, (4096,), dtype=torch.int64)
     words[:256] = torch.arange(256) * 0x01010101 - (torch.arange(256) >= 128).long() * (1 << 32)  # every byte
     src = words.to(torch.int32).cuda()
     out = torch.full((2 * src.numel(),), -1, dtype=torch.int32, device="cuda")
-    fn(src, out, (src.numel() + 127) // 128)
+    fn(src, out, d, (src.numel() + 127) // 128)
     torch.cuda.synchronize()
-    codes = torch.stack([(src.cpu().long() >> (4 * j)) & 15 for j in range(8)], dim=-1)
-    assert torch.equal(out.cpu().view(torch.uint8).view(-1, 8), _expected_bytes(codes))
+    want = [v for w in words.tolist() for v in _model(w & 0xFFFFFFFF, d)]
+    assert out.cpu().to(torch.int64).bitwise_and(0xFFFFFFFF).tolist() == want

@@ -20,6 +20,7 @@ from ..config import SWIGLU_GRANULE, Epilogue
 from ..formats import Format
 from ..jit.arch import default_arch, device_facts
 from ..plan import PlanCache, planned
+from ..blockscaled_args import validate_mxfp4_weight_args
 from ..validation import (
     FP8,
     byte_span,
@@ -39,8 +40,10 @@ class InterleavedW13(NamedTuple):
     checkpoint-layout w13 cannot reach the kernel (it would give wrong h
     without an error)."""
 
-    weight: torch.Tensor  # [E, 2I, H], 64-row gate / up groups alternating
-    scale: Optional[torch.Tensor]  # fp8: [E, 2I/64, ceil(H/128)] float32, one per group; bf16: None
+    weight: torch.Tensor  # [E, 2I, H] (MXFP4: int8 [E, 2I, H/2]), 64-row gate / up groups alternating
+    # fp8: [E, 2I/64, ceil(H/128)] float32, one per group; MXFP4: the E8M0
+    # exponents [E, 2I, H/32], rows alike, N contiguous; bf16: None
+    scale: Optional[torch.Tensor]
 
 
 def interleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None) -> InterleavedW13:
@@ -50,12 +53,14 @@ def interleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None) 
     group's rows lie in one 128-row block of w13). Returns an
     ``InterleavedW13`` (weight, scale) with scale None for bf16; I must be a
     multiple of 64 (128 for fp8)."""
-    check_tensor("w13", w13, 3, (FP8, torch.bfloat16))
+    check_tensor("w13", w13, 3, (FP8, torch.bfloat16, torch.int8))
     e_count, two_i, hidden = w13.shape
-    inter = _check_inter(w13, w13.dtype == FP8)
+    inter = _check_inter(w13, w13.dtype != torch.bfloat16)
     groups = inter // SWIGLU_GRANULE
     w = w13.reshape(e_count, 2, groups, SWIGLU_GRANULE, hidden).transpose(1, 2)
     w = w.reshape(e_count, two_i, hidden).contiguous()
+    if w13.dtype == torch.int8:  # MXFP4 (mxfp4.prepare_weights): the exponents' rows move alike
+        return InterleavedW13(w, _n_major(_interleave_rows(_mxfp4_exps(w13_scale, w13), groups)))
     if w13.dtype != FP8:
         if w13_scale is not None:
             raise ValueError("w13_scale is only for float8_e4m3fn weights")
@@ -80,12 +85,37 @@ def _check_inter(w13: torch.Tensor, fp8: bool) -> int:
     return two_i // 2
 
 
+def _mxfp4_exps(w13_scale, w13: torch.Tensor) -> torch.Tensor:
+    """MXFP4 w13's exponents [E, 2I, H/32] (uint8 or float8_e8m0fnu), as uint8."""
+    want = (w13.shape[0], w13.shape[1], w13.shape[2] * 2 // 32)
+    if not isinstance(w13_scale, torch.Tensor) or w13_scale.dtype not in (torch.uint8, torch.float8_e8m0fnu) \
+            or tuple(w13_scale.shape) != want:
+        raise ValueError(f"MXFP4 w13 (int8, mxfp4.prepare_weights) needs w13_scale: its E8M0 exponents {want}, "
+                         f"got {getattr(w13_scale, 'dtype', None)} {tuple(getattr(w13_scale, 'shape', ()))}")
+    return w13_scale.view(torch.uint8)
+
+
+def _interleave_rows(t: torch.Tensor, groups: int) -> torch.Tensor:
+    e_count, two_i, cols = t.shape
+    return t.reshape(e_count, 2, groups, SWIGLU_GRANULE, cols).transpose(1, 2).reshape(e_count, two_i, cols)
+
+
+def _n_major(t: torch.Tensor) -> torch.Tensor:
+    """[E, N, C] with the same values, stored N contiguous."""
+    out = torch.empty((t.shape[0], t.shape[2], t.shape[1]), dtype=t.dtype, device=t.device)
+    out.copy_(t.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
 def deinterleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None):
     """The inverse of ``interleave_w13``: (w13 [E, 2I, H], scales [E, 2I/128,
     H/128] or None) in the checkpoint layout."""
     e_count, two_i, hidden = w13.shape
     groups = two_i // 2 // SWIGLU_GRANULE
     w = w13.reshape(e_count, groups, 2, SWIGLU_GRANULE, hidden).transpose(1, 2).reshape(e_count, two_i, hidden)
+    if w13.dtype == torch.int8:
+        s = w13_scale.reshape(e_count, groups, 2, SWIGLU_GRANULE, -1).transpose(1, 2).reshape(e_count, two_i, -1)
+        return w.contiguous(), _n_major(s)
     if w13_scale is None:
         return w.contiguous(), None
     per_block = SCALE_BLOCK // SWIGLU_GRANULE  # groups per 128-row block, each of gate and up
@@ -149,13 +179,16 @@ def gate_up_swiglu(
 def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m, num_sms, tensors: dict):
     """Every check, before anything launches; ``tensors``: the same by launch slot."""
     check_tensor("x", x, 3, (FP8, torch.bfloat16))
-    check_tensor("w13", w13, 3, (x.dtype,))
     fp8 = x.dtype == FP8
+    mxfp4 = fp8 and isinstance(w13, torch.Tensor) and w13.dtype == torch.int8
+    check_tensor("w13", w13, 3, (torch.int8,) if mxfp4 else (x.dtype,))
     e_count, max_m, hidden = x.shape
     inter = _check_inter(w13, fp8)
     two_i = 2 * inter
     scale_view = None
-    if fp8:
+    if mxfp4:
+        validate_mxfp4_weight_args(x, w13, None, masked_m, x_scale, w13_scale)
+    elif fp8:
         check_tensor("w13_scale", w13_scale, 3, (torch.float32,))
         want = (e_count, two_i // SWIGLU_GRANULE, -(-hidden // SCALE_BLOCK))
         if tuple(w13_scale.shape) != want:
@@ -164,7 +197,8 @@ def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m,
         scale_view = w13_scale[:, ::2]  # (the 128-row view the GEMM checks take)
     elif w13_scale is not None:
         raise ValueError("w13_scale is only for float8_e4m3fn weights")
-    validate_args(x, w13, None, masked_m, x_scale, scale_view)
+    if not mxfp4:
+        validate_args(x, w13, None, masked_m, x_scale, scale_view)
     check_expected_m(expected_m)
     h_shape = (e_count, max_m, inter)
     check_h_out(out, out_scale, h_shape, fp8)
@@ -188,7 +222,7 @@ def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m,
                          f"sm_{capability[0]}{capability[1]}")
     if fp8 and grid_cap < 2:
         raise ValueError(f"num_sms must be >= 2 for fp8 (the fused SwiGLU runs 2-CTA clusters), got {grid_cap}")
-    fmt = Format.FP8_BLOCK128 if fp8 else Format.BF16
+    fmt = Format.FP8_MXFP4 if mxfp4 else Format.FP8_BLOCK128 if fp8 else Format.BF16
     return be.make_plan(backends.GemmCall(
         fmt=fmt, sizes=(e_count, max_m, two_i, hidden),
         tensors=tensors, routing=(), combine=None, expected_m=expected_m, config=None, granularity="m_block",

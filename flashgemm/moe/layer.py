@@ -43,8 +43,10 @@ class MaskedExperts:
     w13: [E, 2I, H], the gate projection's I rows then the up projection's;
     w2: [E, H, I]. fp8 e4m3 with 128x128 block scales (``w13_scale`` [E,
     2I/128, H/128], ``w2_scale`` [E, H/128, I/128]: DeepSeek-V3's recipe), or
-    bf16 without scales. I must be a multiple of 128 for fp8 (8 for bf16;
-    64 for ``ActivationPath.FUSED``).
+    bf16 without scales, or MXFP4 as ``mxfp4.prepare_weights`` makes it (int8
+    w13 [E, 2I, H/2] and w2 [E, H, I/2], their E8M0 exponents [E, 2I, H/32] /
+    [E, H, I/32] as the scales; x then fp8). I must be a multiple of 128 for
+    fp8 activations (8 for bf16; 64 for ``ActivationPath.FUSED``).
 
     ``activation``: an :class:`ActivationPath`, or None for FUSED where the
     shape allows it (I a multiple of 64: always for fp8) and SEPARATE
@@ -56,18 +58,21 @@ class MaskedExperts:
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, w13_scale=None, w2_scale=None,
                  activation: Optional[ActivationPath] = None):
         for name, w in (("w13", w13), ("w2", w2)):
-            if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype not in (FP8, torch.bfloat16):
-                raise TypeError(f"{name} must be a 3-D float8_e4m3fn or bfloat16 tensor, got "
-                                f"{getattr(w, 'dtype', type(w).__name__)}")
+            if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype not in (FP8, torch.bfloat16, torch.int8):
+                raise TypeError(f"{name} must be a 3-D float8_e4m3fn, bfloat16 or int8 (MXFP4, "
+                                f"mxfp4.prepare_weights) tensor, got {getattr(w, 'dtype', type(w).__name__)}")
         if w13.dtype != w2.dtype:
             raise TypeError(f"w13 and w2 must share a dtype, got {w13.dtype} and {w2.dtype}")
-        e_count, two_i, hidden = w13.shape
-        if two_i % 2 or tuple(w2.shape) != (e_count, hidden, two_i // 2):
-            raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I]; got {tuple(w13.shape)} and "
-                             f"{tuple(w2.shape)}")
-        self.fp8 = w13.dtype == FP8
+        self.mxfp4 = w13.dtype == torch.int8
+        per_byte = 2 if self.mxfp4 else 1  # (MXFP4: two values per byte along K)
+        e_count, two_i, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * per_byte
+        if two_i % 2 or tuple(w2.shape) != (e_count, hidden, two_i // 2 // per_byte):
+            raise ValueError(f"w13 must be [E, 2I, H] and w2 [E, H, I] (MXFP4: the last dimension halved); got "
+                             f"{tuple(w13.shape)} and {tuple(w2.shape)}")
+        self.fp8 = w13.dtype in (FP8, torch.int8)  # (fp8 activations)
         if self.fp8 and (w13_scale is None or w2_scale is None):
-            raise ValueError("fp8 weights need w13_scale and w2_scale (128x128 block scales)")
+            raise ValueError("fp8 weights need w13_scale and w2_scale (128x128 block scales; MXFP4 weights: "
+                             "the E8M0 exponents of mxfp4.prepare_weights)")
         if not self.fp8 and (w13_scale is not None or w2_scale is not None):
             raise ValueError("block scales are only for fp8 weights")
         if activation is None:

@@ -1,5 +1,5 @@
-"""The sm_90 (Hopper) backend: wgmma kernels for bf16 and DeepSeek's 1x128
-fp8, with every epilogue (plain store, signals, the fused combines, the
+"""The sm_90 (Hopper) backend: wgmma kernels for bf16, DeepSeek's 1x128
+fp8 and MXFP4 weights with 1x128 fp8 activations, with every epilogue (plain store, signals, the fused combines, the
 fused SwiGLU) and the reference combine."""
 
 from __future__ import annotations
@@ -15,13 +15,16 @@ from .limits import validated_config
 
 
 def gemm_ptx_ok(spec: KernelSpec, feats) -> bool:
-    """What an sm_90 GEMM's PTX must show: wgmma and TMA loads, the signal
+    """What an sm_90 GEMM's PTX must show: wgmma and TMA loads (MXFP4 weights:
+    e4m3 wgmma and the e2m1 lookups, which no other build has), the signal
     sequence when signalled, and what its epilogue requires and forbids
     (``flashgemm.epilogue``)."""
     from ..epilogue import op
 
     feats = set(feats)
     ok = {"wgmma", "tma-load"} <= feats
+    mxfp4 = spec.fmt is Format.FP8_MXFP4
+    ok &= ({"fp8-wgmma", "e2m1-lookup"} <= feats) if mxfp4 else "e2m1-lookup" not in feats
     if spec.signal_mode is not None:
         ok &= "signal-publish" in feats
     return ok and op(spec.epilogue).ptx_ok(feats)
@@ -30,7 +33,7 @@ def gemm_ptx_ok(spec: KernelSpec, feats) -> bool:
 class Sm90Backend(Backend):
     name = "sm90"
     label = "sm_90"
-    formats = (Format.BF16, Format.FP8_BLOCK128)
+    formats = (Format.BF16, Format.FP8_BLOCK128, Format.FP8_MXFP4)
     epilogues = frozenset(Epilogue)
     config_type = GemmConfig
 

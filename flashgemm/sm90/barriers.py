@@ -11,6 +11,7 @@ EPILOGUE = 1  # consumers + store warp, around each staged sub-tile (Staging.PAI
 CONSUMERS = 2  # the consumer warpgroups alone, around partial-tile staging
 BALANCE = 3  # producer warp + store warp + consumers: the active-cluster count (Tail.BALANCE)
 HANDOFF_FIRST = 4  # Staging.WHOLE_TILE: free (4 + w) and staged (4 + W + w) per consumer warpgroup w
+CONVERTERS = 12  # MXFP4 weights: 12 + t for converter team t (its warps, once per slot it converts; converter)
 # combine kernel
 COMBINE_TEAM_FIRST = 1  # 1 + team: one per team of warps
 

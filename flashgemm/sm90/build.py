@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from ..config import CLAIM_COUNTER_INTS, KernelSpec, TileOrder
+from ..formats import Format
 from ..jit import cache
 from ..jit.arch import default_arch, ensure_arch_env
 from ..jit.key import cache_key
@@ -29,12 +30,15 @@ OUT_DTYPE = "bf16"
 def _cutlass_dtype(name: str):
     import cutlass
 
-    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8_block128": cutlass.Float8E4M3FN}[name]
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8_block128": cutlass.Float8E4M3FN,
+            "fp8_mxfp4": cutlass.Float8E4M3FN}[name]
 
 
-def _fake_args(ab_dtype, out_dtype, sum_dtype=None):
+def _fake_args(ab_dtype, out_dtype, sum_dtype=None, mxfp4=False):
     """Fake (E, max_m, K) / (E, N, K) / (E, max_m, N) / (E,) tensors with symbolic
-    extents and 16-byte-aligned symbolic strides (the TMA requirement)."""
+    extents and 16-byte-aligned symbolic strides (the TMA requirement).
+    ``mxfp4``: b is (E, N, K/2) packed bytes and b_scale (E, N, K/32) E8M0
+    bytes, N contiguous."""
     import cutlass
     import cutlass.cute as cute
 
@@ -56,6 +60,10 @@ def _fake_args(ab_dtype, out_dtype, sum_dtype=None):
         # weight scales (E, N/128, K/128) read element-wise: any strides
         sfa = fake(f32, (e, m, kb), (ld(f32), 1, ld(f32)), assumed_align=16)
         sfb = fake(f32, (e, nb, kb), (cute.sym_int64(), cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+    if mxfp4:
+        u8 = cutlass.Uint8
+        b = fake(cutlass.Int8, (e, n, cute.sym_int()), (ld(u8), ld(u8), 1), assumed_align=16)
+        sfb = fake(u8, (e, n, cute.sym_int()), (ld(u8), 1, ld(u8)), assumed_align=16)
     # the fused combine: the routing of each row, the token-major output of the
     # sums (or this rank's receive buffer) and the peers' receive-buffer addresses
     sum_dtype = sum_dtype or cutlass.Float32
@@ -110,10 +118,11 @@ def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, 
     config, fmt = spec.config, spec.fmt
     check_config(config, fmt, spec.epilogue)
     ab_t, out_t = _cutlass_dtype(fmt.value), _cutlass_dtype(OUT_DTYPE)
-    gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, spec.signal_mode, trace=trace, epilogue=spec.epilogue)
+    gemm = MaskedGroupedGemmSm90(config, ab_t, out_t, spec.signal_mode, trace=trace, epilogue=spec.epilogue,
+                                 fmt=fmt)
     op = spec.epilogue.op  # what the epilogue takes: its parameters, its rows' dtype
     a, b, d, masked_m, signals, sfa, sfb, routing = _fake_args(
-        ab_t, out_t, cutlass.BFloat16 if op.rows_dtype == "bf16" else cutlass.Float32)
+        ab_t, out_t, cutlass.BFloat16 if op.rows_dtype == "bf16" else cutlass.Float32, fmt is Format.FP8_MXFP4)
     routing = tuple(t if name in op.params else None for name, t in zip(ROUTING_SLOTS, routing))
     d_scale = None
     if not op.writes_out:

@@ -256,6 +256,23 @@ def choose_config(
     return _finish(cfg, fp8, hint, signals and not combine, num_sms < cfg.cluster_n, combine)
 
 
+def weight_format_config(cfg: GemmConfig, fmt: Format) -> GemmConfig:
+    """The fp8 pick made buildable for ``fmt``'s weights. MXFP4 weights
+    (``Format.FP8_MXFP4``) add converter warpgroups, which take registers:
+    at most two consumer warpgroups, and two of them with one product set;
+    and tiles at least 128 wide."""
+    if fmt is not Format.FP8_MXFP4:
+        return cfg
+    if cfg.tile_n == 64:
+        # a slot's conversion has a fixed cost: 64-wide tiles pay it per half the bytes
+        cfg = cfg.replace(tile_n=128)
+    if cfg.tile_m == 192:
+        cfg = cfg.replace(tile_m=128)
+    if cfg.tile_m == 128 and cfg.promotion is Promotion.OVERLAPPED:
+        cfg = cfg.replace(promotion=Promotion.SERIAL)
+    return cfg
+
+
 def activation_config(cfg: GemmConfig, fp8: bool) -> GemmConfig:
     """The fused SwiGLU's version of a pick (``limits.check_activation_config``):
     SWIGLU_TILE_N wide (a 64-wide pick's rounds double: measured in
@@ -285,8 +302,16 @@ def reachable_specs(fmt: Optional[Format] = None) -> tuple[KernelSpec, ...]:
     can be launched with, the fused-SwiGLU builds (``choose_activation_config``)
     and the fused-combine builds (tests sweep the
     heuristic to show the sets equal)."""
+    if fmt is Format.FP8_MXFP4:
+        # the fp8 picks, as ``weight_format_config`` adapts them
+        return tuple(dict.fromkeys(
+            KernelSpec(weight_format_config(s.config, fmt), fmt, s.signal_mode, s.epilogue)
+            for s in reachable_specs(Format.FP8_BLOCK128)
+        ))
+    if fmt is None:
+        return tuple(s for f in (Format.BF16, Format.FP8_BLOCK128, Format.FP8_MXFP4) for s in reachable_specs(f))
     specs = []
-    for ops in [fmt] if fmt else [Format.BF16, Format.FP8_BLOCK128]:
+    for ops in [fmt]:
         fp8 = ops is Format.FP8_BLOCK128
         lower = 1
         for regime in regimes(ops):

@@ -10,30 +10,35 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
-from cutlass.tensor_utils.layout import LayoutEnum
 
-from ..config import FP8_SLOT_WEIGHT_SCALES, Epilogue, GemmConfig, Staging, Tail, TileOrder
+from ..config import Epilogue, GemmConfig, Staging, Tail, TileOrder
 from ..formats import Format
 from ..device.layout import batch_last
 from ..schedule.dynamic import FEED_STAGES, TileFeed, reader_warps
 from .. import trace as tr
 from . import barriers
 from .consumer import Consumer, ConsumerSmem
+from .layouts import GemmLayouts
+from .converter import (
+    TEAM_WARPS, ConvertedRing, WeightConverter, converter_smem, init_converted_barriers, packed_b_boxes,
+    packed_b_partitions,
+)
 from .act_epilogue import act_target, init_exchange_barriers
 from .combine_epilogue import CombineTarget
 from .epilogue import SIGNAL_STAGES
-from .limits import PRODUCER_REGS, SMEM_BYTES, consumer_regs, resolved_stages
-from .storage import shared_storage
+from .limits import (
+    CONVERTER_REGS, PRODUCER_REGS, SMEM_BYTES, consumer_regs, converted_buffers, converter_warpgroups,
+    resolved_stages,
+)
 from .producer import Producer, ProducerLoads
 from .storer import TileStorer, run_store_warp
 from .walk import BalanceSlot, KernelShape, ProducerClaims, WalkArgs
 
 
-class MaskedGroupedGemmSm90:
-    """Persistent, warp-specialized masked grouped GEMM (NT; bf16 or
-    block-scaled fp8 e4m3 in, fp32 accumulate, bf16 out).
+class MaskedGroupedGemmSm90(GemmLayouts):
+    """Persistent, warp-specialized masked grouped GEMM (NT; bf16, block-scaled
+    fp8 e4m3, or e4m3 with MXFP4 weights in; fp32 accumulate, bf16 out).
 
     Warp roles (one CTA per SM, ``config.threads`` threads):
 
@@ -52,12 +57,15 @@ class MaskedGroupedGemmSm90:
       (``epilogue``): full tiles staged for the store warp, partial ones
       stored row by row; or the fused combine's weighted rows, or the fused
       SwiGLU's h (``act_epilogue``), which the consumers send themselves.
+    * MXFP4 weights only, warpgroups W+1..: the **converters**
+      (``converter``): turn each slot's packed B into e4m3 in a B buffer.
 
     Pipelines and barriers (ids in ``barriers``):
 
     * operands: ``PipelineTmaAsync``, producer -> consumers, a full/empty
       mbarrier pair per stage (fp8: the full barrier also takes the weight
-      scales' ``cp.async`` arrival);
+      scales' ``cp.async`` arrival); with MXFP4 weights a *converted*
+      mbarrier per stage, converters -> consumers;
     * output staging: ``barriers.EPILOGUE`` (``Staging.PAIR``: two crossings
       per sub-tile, buffer reuse guarded by the store warp's
       ``cp.async.bulk.wait_group.read``), or a free/staged pair per consumer
@@ -83,7 +91,7 @@ class MaskedGroupedGemmSm90:
 
     def __init__(
         self, config: GemmConfig, ab_dtype, out_dtype, signal_mode=None, trace=False,
-        epilogue: Epilogue = Epilogue.STORE,
+        epilogue: Epilogue = Epilogue.STORE, fmt: Format = None,
     ):
         """signal_mode: None, "m_block" or "expert" (see ``signals.py``).
         trace: development builds only; the signals argument is then the
@@ -102,92 +110,39 @@ class MaskedGroupedGemmSm90:
         self.ab_dtype = ab_dtype
         self.out_dtype = out_dtype
         self.acc_dtype = cutlass.Float32
-        fmt = Format.FP8_BLOCK128 if ab_dtype.width == 8 else Format.BF16
+        if fmt is None:
+            fmt = Format.FP8_BLOCK128 if ab_dtype.width == 8 else Format.BF16
+        # MXFP4 weights: converted to e4m3 in shared memory (``converter``); ab_dtype is the MMA's
+        self.converted_b = fmt is Format.FP8_MXFP4
+        self.converters = converter_warpgroups(config.consumer_warpgroups) if self.converted_b else 0
         self.tile_mnk = config.tile_mnk(fmt)
         self.stages = resolved_stages(config, fmt, epilogue)
+        self.b_stages = converted_buffers(config) if fmt is Format.FP8_MXFP4 else self.stages
         self.epi_stages = config.epi_buffers
         self.num_consumer_wg = config.consumer_warpgroups
         self.num_consumer_threads = 128 * self.num_consumer_wg
-        self.threads = config.threads
+        self.threads = config.threads + 128 * self.converters
         self.cluster_n = config.cluster_n
         self.a_chunk = config.a_chunk_rows
         # 8-bit operands are the block-scaled fp8 recipe (a_scale, b_scale)
-        self.blockwise = fmt is Format.FP8_BLOCK128
+        self.blockwise = fmt in (Format.FP8_BLOCK128, Format.FP8_MXFP4)
         # the fused fp8 SwiGLU exchanges row maxima with its cluster peer (act_epilogue)
         self.row_max_exchange = epilogue is Epilogue.SWIGLU_FP8
         shape = KernelShape(config, self.tile_mnk, self.stages, ab_dtype, self.acc_dtype, self.blockwise,
-                            64 if self.row_max_exchange else 128)
+                            64 if self.row_max_exchange else 128, self.converted_b, self.b_stages)
         self.producer = Producer(shape)
         self.consumer = Consumer(shape, self._make_tiled_mma)
-
-    def _make_tiled_mma(self, n: int):
-        """The warpgroups' wgmma over ``n`` columns (both operands K-major)."""
-        return sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype,
-            self.ab_dtype,
-            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-            LayoutEnum.ROW_MAJOR.sm90_mma_major_mode(),
-            self.acc_dtype,
-            (self.num_consumer_wg, 1, 1),
-            tiler_mn=(64, n),
-        )
-
-    def _make_layouts(self):
-        self.tiled_mma = self._make_tiled_mma(self.tile_mnk[1])
-        self.a_smem_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype, self.stages
-        )
-        # one TMA box of A: this CTA's share of the tile, or one chunk of rows
-        # (config.a_chunk_rows; the stage holds the chunks one after another)
-        self.a_box_layout = cute.slice_(self.a_smem_layout, (None, None, 0))
-        if self.a_chunk:
-            chunk_mnk = (self.a_chunk, self.tile_mnk[1], self.tile_mnk[2])
-            self.a_box_layout = cute.slice_(
-                sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, chunk_mnk, self.ab_dtype, 1),
-                (None, None, 0),
-            )
-        self.b_smem_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype, self.stages
-        )
-        self.epi_tile = self.config.epi_tile
-        self.d_smem_layout = sm90_utils.make_smem_layout_epi(
-            self.out_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages
-        )
-        # the store warp's view of the same bytes: with the whole tile staged,
-        # each warpgroup's 64 rows of a sub-tile leave in a bulk store of
-        # their own (epilogue.WarpgroupHandoff)
-        self.d_store_layout, self.d_store_box = self.d_smem_layout, self.epi_tile
-        if self.config.staging is Staging.WHOLE_TILE:
-            self.d_store_box = (64, self.epi_tile[1])
-            self.d_store_layout = sm90_utils.make_smem_layout_epi(
-                self.out_dtype, LayoutEnum.ROW_MAJOR, self.d_store_box,
-                self.epi_stages * self.num_consumer_wg,
-            )
-
-    def _sfb_smem_layout(self):
-        # (scale block, stage): the one or two weight scales of each slot
-        return cute.make_layout((FP8_SLOT_WEIGHT_SCALES, self.stages))
-
-    def _sfa_smem_layout(self):
-        # one fp32 activation scale per tile row and stage (M contiguous); built
-        # where it is used (a layout made on the host side cannot enter the kernel)
-        return cute.make_layout((self.tile_mnk[0], 1, self.stages))
-
-    def _shared_storage(self):
-        return shared_storage(self.config, self.ab_dtype, self.out_dtype, self.stages, self.a_smem_layout,
-                              self.b_smem_layout, self.d_smem_layout, self._sfa_smem_layout(),
-                              self._sfb_smem_layout(), self.blockwise, self.row_max_exchange)
 
     @cute.jit
     def __call__(
         self,
         mA: cute.Tensor,  # (E, max_m, K), K contiguous
-        mB: cute.Tensor,  # (E, N, K), K contiguous
+        mB: cute.Tensor,  # (E, N, K), K contiguous; FP8_MXFP4: (E, N, K/2) packed e2m1 bytes
         mD: cute.Tensor,  # (E, max_m, N), N contiguous
         mMaskedM: cute.Tensor,  # (E,) int32
         mSignals: cute.Tensor,  # int32 counters, or the trace buffer; None without either
         mSFA: cute.Tensor,  # fp8: (E, max_m, ceil(K/128)) fp32, M contiguous; else None
-        mSFB: cute.Tensor,  # fp8: (E, ceil(N/128), ceil(K/128)) fp32; else None
+        mSFB: cute.Tensor,  # fp8: (E, ceil(N/128), ceil(K/128)) fp32; FP8_MXFP4: (E, N, K/32) E8M0, N contiguous
         mCounter: cute.Tensor,  # dynamic: (2,) int32 claim counter, zero between launches; else None
         mTokenIdx: cute.Tensor,  # Epilogue.COMBINE* (else None): (E, max_m) int32
         mWeight: cute.Tensor,  # (E, max_m) fp32
@@ -213,6 +168,12 @@ class MaskedGroupedGemmSm90:
             mSFB_nkl = mSFB
 
         b_smem_one = cute.slice_(self.b_smem_layout, (None, None, 0))
+        b_box = (self.tile_mnk[1], self.tile_mnk[2])
+        tma_atom_bsf, mBSF_tma = None, None
+        if cutlass.const_expr(self.converted_b):
+            # the TMA brings the packed tile and its exponents; sB is the converters'
+            b_smem_one, b_box, (tma_atom_bsf, mBSF_tma) = packed_b_boxes(mSFB, self.tile_mnk)
+            mSFB_nkl = None
         d_store_one = cute.slice_(self.d_store_layout, (None, None, 0))
         tma_atom_a, mA_tma = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
@@ -228,7 +189,7 @@ class MaskedGroupedGemmSm90:
             cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
             mB_nkl,
             b_smem_one,
-            (self.tile_mnk[1], self.tile_mnk[2]),
+            b_box,
         )
         tma_atom_d, mD_tma = None, None
         if cutlass.const_expr(mD is not None and self.epilogue is Epilogue.STORE):
@@ -246,7 +207,7 @@ class MaskedGroupedGemmSm90:
         self.kernel(
             tma_atom_a, mA_tma, tma_atom_b, mB_tma, tma_atom_d, mD_tma, mD_mnl, mMaskedM, mSignals,
             tma_atom_sfa, mSFA_tma, mSFB_nkl, mCounter, mTokenIdx, mWeight, mCombined, mErr, mPeers, mDScale,
-            self.tiled_mma, self.a_smem_layout, self.b_smem_layout, self.d_smem_layout, self.d_store_layout,
+            tma_atom_bsf, mBSF_tma, self.tiled_mma, self.a_smem_layout, self.b_smem_layout, self.d_smem_layout, self.d_store_layout,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.threads, 1, 1],
@@ -278,6 +239,8 @@ class MaskedGroupedGemmSm90:
         mErr,
         mPeers,  # Epilogue.COMBINE_PEERS only (else None)
         mDScale,  # Epilogue.SWIGLU_FP8 only (else None)
+        tma_atom_bsf,  # FP8_MXFP4 only (else None): the weights' E8M0 exponents
+        mBSF_tma,
         tiled_mma: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
@@ -302,12 +265,16 @@ class MaskedGroupedGemmSm90:
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_d)
             if cutlass.const_expr(self.blockwise):
                 cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_sfa)
+            if cutlass.const_expr(self.converted_b):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_bsf)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
         # with config.a_chunk_rows the A bytes are counted per tile (produce_tile)
         tma_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0)))
+        if cutlass.const_expr(self.converted_b):
+            tma_bytes = self.tile_mnk[1] * (self.tile_mnk[2] // 2 + self.tile_mnk[2] // 32)  # packed + E8M0
         if cutlass.const_expr(self.a_chunk == 0):
             tma_bytes += cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0)))
         if cutlass.const_expr(self.blockwise):
@@ -319,7 +286,9 @@ class MaskedGroupedGemmSm90:
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_mbar.data_ptr(),
             num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 if self.blockwise else 1),
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 2 if self.blockwise and not self.converted_b else 1
+            ),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, self.cluster_n * self.num_consumer_wg * 4
             ),
@@ -343,12 +312,17 @@ class MaskedGroupedGemmSm90:
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     TileFeed.init_barriers(
-                        storage.feed_mbar.data_ptr(), reader_warps(self.cluster_n, self.num_consumer_wg)
+                        storage.feed_mbar.data_ptr(),
+                        reader_warps(self.cluster_n, self.num_consumer_wg + self.converters),
                     )
             feed = TileFeed(
                 storage.feed_slots.get_tensor(cute.make_layout(FEED_STAGES)),
                 storage.feed_mbar.data_ptr(), self.cluster_n,
             )
+        if cutlass.const_expr(self.converted_b):
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    init_converted_barriers(storage.conv_mbar.data_ptr(), self.stages, TEAM_WARPS)
         if cutlass.const_expr(self.row_max_exchange):
             if warp_idx == 0:
                 init_exchange_barriers(storage.amax_mbar.data_ptr(), self.num_consumer_wg)
@@ -388,12 +362,18 @@ class MaskedGroupedGemmSm90:
                 cute.group_modes(gA, 0, 2),
             )
         a_mcast_mask = cutlass.Int16((1 << self.cluster_n) - 1) if self.cluster_n > 1 else None
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-        )
+        tBsB, tBgB, b_exps = None, None, None
+        if cutlass.const_expr(self.converted_b):
+            tBsB, tBgB, b_exps = packed_b_partitions(
+                storage, tma_atom_b, mB_nkl, tma_atom_bsf, mBSF_tma, self.tile_mnk, self.stages)
+        else:
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+            )
         sSFA, tSFAsSFA, tSFAgSFA, mSFB_nkl, sSFB = None, None, None, None, None
         if cutlass.const_expr(self.blockwise):
-            mSFB_nkl = batch_last(mSFB)
+            if cutlass.const_expr(not self.converted_b):
+                mSFB_nkl = batch_last(mSFB)
             sSFA = storage.sSFA.get_tensor(self._sfa_smem_layout())
             sSFB = storage.sSFB.get_tensor(self._sfb_smem_layout())
             # (BM, 1, RestM, K/128, E): every CTA loads its own tile's scales
@@ -418,12 +398,9 @@ class MaskedGroupedGemmSm90:
                     tma_atom_b, tBgB, bidx // self.cluster_n, cta_rank, num_n_blocks, num_experts, k_tile_cnt
                 )
         if cutlass.const_expr(self.config.pdl):
-            # Launched with programmatic dependent launch, this CTA may be
-            # running before the previous kernel on the stream has finished:
-            # everything above touched only shared memory and the kernel
-            # parameters. Every thread waits here until that kernel has
-            # completed and its writes are visible, before any global access
-            # (masked_m, operands, out, signals).
+            # With PDL this CTA may run before the previous kernel finished: all
+            # above touched only shared memory and parameters; every thread waits
+            # here for its writes before any global access.
             cute.arch.griddepcontrol_wait()
         mTrace = None  # trace builds: the timeline buffer, passed as mSignals
         if cutlass.const_expr(self.trace):
@@ -454,7 +431,7 @@ class MaskedGroupedGemmSm90:
             # store warp and the consumers
             balance = BalanceSlot(
                 storage.active.get_tensor(cute.make_layout(1)),
-                barriers.balance(self.num_consumer_threads),
+                barriers.balance(self.num_consumer_threads + 128 * self.converters),
             )
 
         if warp_group_idx == 0:
@@ -462,7 +439,7 @@ class MaskedGroupedGemmSm90:
             if warp_idx == 0:
                 loads = ProducerLoads(
                     tma_atom_a, tAgA, tAsA, a_mcast_mask, tma_atom_b, tBgB, tBsB,
-                    tma_atom_sfa, tSFAgSFA, tSFAsSFA, mSFB_nkl, sSFB,
+                    tma_atom_sfa, tSFAgSFA, tSFAsSFA, mSFB_nkl, sSFB, b_exps,
                 )
                 self.producer.run(
                     walk_args, feed, producer_claims, balance, ab_pipeline, loads, tma_bytes,
@@ -481,15 +458,42 @@ class MaskedGroupedGemmSm90:
                     mSignals, num_m_slots, num_n_blocks, mTrace, trace_base,
                 )
         else:
-            cute.arch.setmaxregister_increase(consumer_regs(self.num_consumer_wg))
-            target = None  # where a fused epilogue sends the tiles
-            if cutlass.const_expr(self.epilogue.activates):
-                target = act_target(storage if self.row_max_exchange else None, mD_mnl, mDScale,
-                                    self.tile_mnk[0], cta_rank)
-            if cutlass.const_expr(self.epilogue.combines):
-                target = CombineTarget(mTokenIdx, mWeight, mCombined, mErr, mPeers)
-            self.consumer.run(
-                tidx, warp_group_idx, tiled_mma, ConsumerSmem(sA, sB, sD, sSFA, sSFB), gD_mem,
-                self.out_dtype, (epi_barrier, consumer_barrier, handoff), walk_args, feed, balance,
-                ab_pipeline, sig_pipeline, k_tile_cnt, n_total, mTrace, trace_base, self.epilogue, target,
+            consumers = (
+                tidx, warp_group_idx, tiled_mma, storage, ConsumerSmem(sA, sB, sD, sSFA, sSFB), gD_mem,
+                (epi_barrier, consumer_barrier, handoff), walk_args, feed, balance, ab_pipeline, sig_pipeline,
+                k_tile_cnt, n_total, mTrace, trace_base, (mD_mnl, mDScale, cta_rank),
+                (mTokenIdx, mWeight, mCombined, mErr, mPeers),
             )
+            # (nested in const_expr: builds without converters keep their code unchanged)
+            if cutlass.const_expr(self.converted_b):
+                if warp_group_idx > self.num_consumer_wg:
+                    cute.arch.setmaxregister_decrease(CONVERTER_REGS)
+                    WeightConverter(self.config, self.tile_mnk[1], self.stages, self.b_stages, self.converters).run(
+                        tidx - 128 * (1 + self.num_consumer_wg), walk_args, feed, balance, ab_pipeline,
+                        converter_smem(storage, sB, sSFB, self.tile_mnk[1], self.stages, self.b_stages),
+                        k_tile_cnt,
+                    )
+                else:
+                    self._consumer_role(*consumers)
+            else:
+                self._consumer_role(*consumers)
+
+    def _consumer_role(self, tidx, warp_group_idx, tiled_mma, storage, smem, gD_mem, epi_barriers, walk_args,
+                       feed, balance, ab_pipeline, sig_pipeline, k_tile_cnt, n_total, mTrace, trace_base,
+                       act_args, combine_args):
+        """The consumer warpgroups' branch (traced inline)."""
+        cute.arch.setmaxregister_increase(consumer_regs(self.num_consumer_wg, self.converters))
+        ring = ab_pipeline
+        if self.converted_b:
+            ring = ConvertedRing(ab_pipeline, storage.conv_mbar.data_ptr())
+        target = None  # where a fused epilogue sends the tiles
+        if self.epilogue.activates:
+            mD_mnl, mDScale, cta_rank = act_args
+            target = act_target(storage if self.row_max_exchange else None, mD_mnl, mDScale,
+                                self.tile_mnk[0], cta_rank)
+        if self.epilogue.combines:
+            target = CombineTarget(*combine_args)
+        self.consumer.run(
+            tidx, warp_group_idx, tiled_mma, smem, gD_mem, self.out_dtype, epi_barriers, walk_args, feed,
+            balance, ring, sig_pipeline, k_tile_cnt, n_total, mTrace, trace_base, self.epilogue, target,
+        )

@@ -33,12 +33,14 @@ def resolve_config(config, fmt: Format, expected_m, max_m, n, k, grid_cap, num_e
     """The caller's config checked against the sm_90 rules, or the heuristic's."""
     check_expected_m(expected_m)
     if config is None:
-        from .heuristic import choose_activation_config, choose_config
+        from .heuristic import choose_activation_config, choose_config, weight_format_config
 
-        fp8 = fmt is Format.FP8_BLOCK128
+        fp8 = fmt.promotes
         if epilogue.activates:
-            return choose_activation_config(expected_m, max_m, n, k, grid_cap, fp8, num_experts)
-        return choose_config(expected_m, max_m, n, k, grid_cap, fp8, num_experts, signals, epilogue.combines)
+            cfg = choose_activation_config(expected_m, max_m, n, k, grid_cap, fp8, num_experts)
+        else:
+            cfg = choose_config(expected_m, max_m, n, k, grid_cap, fp8, num_experts, signals, epilogue.combines)
+        return weight_format_config(cfg, fmt)
     if not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(config).__name__}")
     return validated_config(config, fmt, Epilogue.COMBINE if epilogue.combines else epilogue)
@@ -57,6 +59,7 @@ def gemm_plan(call, tensors: dict, epilogue: Epilogue, config: GemmConfig, spec_
     layout = facts.pop("layout", None)
     mode = layout.granularity if layout is not None else None
     fn = get_kernel(KernelSpec(config, spec_fmt, mode, epilogue))
+    mxfp4 = spec_fmt is Format.FP8_MXFP4
     if config.dynamic and call.device_index is not None:
         from .. import workspace
 
@@ -65,9 +68,12 @@ def gemm_plan(call, tensors: dict, epilogue: Epilogue, config: GemmConfig, spec_
     num_ctas = cn * config.grid_clusters(e_count, max_m, n, call.grid_cap)
     return LaunchPlan(
         fn, SLOTS, tensors, scalars=(num_ctas,),
-        aligned=ALIGNED + (() if copy_a_scale else ("a_scale",)), written=WRITTEN,
+        aligned=ALIGNED + (() if copy_a_scale else ("a_scale",)) + (("b_scale",) if mxfp4 else ()),
+        written=WRITTEN,
         num_ctas=num_ctas, layout=layout, out_shape=out_shape, copy_a_scale=copy_a_scale,
-        counter_device=call.device_index if config.dynamic else None, views=(), **facts,
+        counter_device=call.device_index if config.dynamic else None,
+        # the compiled kernel takes the packed weights and their exponents as bytes
+        views=(("b_scale", torch.uint8),) if mxfp4 else (), **facts,
     )
 
 
@@ -91,8 +97,7 @@ def make_plan(call) -> LaunchPlan:
     if signals:
         layout = make_signal_layout(call.granularity, max_m, n, config.tile_m, config.tile_n, e_count)
         validate_signals(t["signals"], layout, t["a"].device)
-    fp8 = call.fmt is Format.FP8_BLOCK128
-    copy_a_scale = fp8 and tma_ready_a_scale(t["a_scale"], check_only=True)
+    copy_a_scale = call.fmt.promotes and tma_ready_a_scale(t["a_scale"], check_only=True)
     tensors = {**t, **dict(zip(ROUTING_SLOTS, call.routing))}
     out_n = n // 2 if epilogue.activates else n
     return gemm_plan(call, tensors, epilogue, config, call.fmt, copy_a_scale, (e_count, max_m, out_n),

@@ -23,19 +23,36 @@ SMEM_RESERVED_BYTES = 2048
 PRODUCER_REGS = 40
 
 
-def consumer_regs(num_consumer_wg: int) -> int:
+# setmaxnreg of the MXFP4 converter warpgroups (``converter``)
+CONVERTER_REGS = 88
+
+
+def converter_warpgroups(num_consumer_wg: int) -> int:
+    """MXFP4 weights: converter warpgroups beside the consumers (two for one
+    consumer warpgroup, so a converter warp shares each scheduler with
+    another; one beside two consumers, whose registers it would take)."""
+    return 2 if num_consumer_wg == 1 else 1
+
+
+def consumer_regs(num_consumer_wg: int, converters: int = 0) -> int:
     """Registers per consumer thread: the SM's 64K registers split over the
-    warpgroups, less the producer's share, in setmaxnreg's multiples of 8,
-    at most 232 (2 consumers: 232; 3 consumers: 152)."""
-    warpgroups = num_consumer_wg + 1
+    warpgroups, less the producer's (and the converters') share, in
+    setmaxnreg's multiples of 8, at most 232 (2 consumers: 232; 3 consumers:
+    152; beside converters: 1 consumer 232, 2 consumers 192)."""
+    warpgroups = num_consumer_wg + 1 + converters
     avg = 65536 // (128 * warpgroups)
-    per_consumer = (avg * warpgroups - PRODUCER_REGS) // num_consumer_wg
+    per_consumer = (avg * warpgroups - PRODUCER_REGS - CONVERTER_REGS * converters) // num_consumer_wg
     return min(232, per_consumer // 8 * 8)
 
 
 def stage_bytes(cfg: GemmConfig, fmt: Format) -> int:
     """One ring slot: the A and B k-tiles, and for fp8 the tile's fp32 row
     scales and its weight scales."""
+    if fmt is Format.FP8_MXFP4:
+        # A, the packed B and its E8M0 bytes; the row and weight scales (the
+        # converted B is outside the ring: converted_bytes)
+        return (cfg.tile_m * fmt.tile_k + cfg.tile_n * (fmt.tile_k // 2 + fmt.tile_k // 32)
+                + (cfg.tile_m + FP8_SLOT_WEIGHT_SCALES) * 4)
     operand_bytes = (cfg.tile_m + cfg.tile_n) * fmt.tile_k * fmt.elem_bytes
     if fmt is Format.FP8_BLOCK128:
         operand_bytes += (cfg.tile_m + FP8_SLOT_WEIGHT_SCALES) * 4
@@ -49,17 +66,34 @@ def epi_bytes(cfg: GemmConfig, epilogue: Epilogue = Epilogue.STORE) -> int:
     return em * en * 2 * cfg.epi_buffers + epilogue.op.smem_bytes(cfg.tile_m)
 
 
+def converted_buffers(cfg: GemmConfig) -> int:
+    """MXFP4 weights: the e4m3 B buffers the converters fill, off the TMA
+    ring, whose depth must be a multiple (a slot's B buffer is its index
+    modulo this). Four let the converter teams work on as many slots at once
+    (docs/design.md); wider tiles keep two, for ring stages."""
+    return 4 if cfg.tile_n <= 128 else 2
+
+
+def converted_bytes(cfg: GemmConfig, fmt: Format) -> int:
+    """MXFP4 weights: the converters' e4m3 B buffers (0 for other formats)."""
+    return converted_buffers(cfg) * cfg.tile_n * fmt.tile_k if fmt is Format.FP8_MXFP4 else 0
+
+
 def resolved_stages(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> int:
-    """Stages actually used: the explicit count, or as many as fit."""
+    """Stages actually used: the explicit count, or as many as fit (MXFP4
+    weights: a multiple of ``converted_buffers``)."""
     if cfg.stages:
         return cfg.stages
-    free = SMEM_BYTES - SMEM_RESERVED_BYTES - epi_bytes(cfg, epilogue)
-    return max(free // stage_bytes(cfg, fmt), 0)
+    free = SMEM_BYTES - SMEM_RESERVED_BYTES - epi_bytes(cfg, epilogue) - converted_bytes(cfg, fmt)
+    stages = max(free // stage_bytes(cfg, fmt), 0)
+    if fmt is Format.FP8_MXFP4:
+        stages -= stages % converted_buffers(cfg)
+    return stages
 
 
 def smem_bytes(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> int:
     return (SMEM_RESERVED_BYTES + resolved_stages(cfg, fmt, epilogue) * stage_bytes(cfg, fmt)
-            + epi_bytes(cfg, epilogue))
+            + epi_bytes(cfg, epilogue) + converted_bytes(cfg, fmt))
 
 
 def check_config(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> GemmConfig:
@@ -67,7 +101,17 @@ def check_config(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STO
     if not isinstance(cfg, GemmConfig):
         raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(cfg).__name__}")
     cfg.check_fields(fmt)
-    fp8 = fmt is Format.FP8_BLOCK128
+    fp8 = fmt.promotes
+    if fmt is Format.FP8_MXFP4 and cfg.consumer_warpgroups == 3:
+        # the converter warpgroup leaves three consumers 120 registers each
+        raise ValueError(f"config.tile_m must be 64 or 128 with {fmt.value} weights (a converter warpgroup "
+                         f"shares the registers), got {cfg.tile_m}")
+    if fmt is Format.FP8_MXFP4 and cfg.stages % converted_buffers(cfg):
+        raise ValueError(f"config.stages must be a multiple of {converted_buffers(cfg)} with {fmt.value} weights "
+                         f"(each ring slot's converted B is its index modulo that), got {cfg.stages}")
+    if fmt is Format.FP8_MXFP4 and cfg.consumer_warpgroups == 2 and cfg.promotion is Promotion.OVERLAPPED:
+        raise ValueError(f"config.promotion must not be OVERLAPPED with tile_m=128 and {fmt.value} weights "
+                         "(two consumers get 192 registers each beside the converter)")
     if cfg.consumer_warpgroups == 3 and cfg.tile_n > (64 if fp8 else 128):
         # 512 threads share 64K registers: 152 per consumer thread
         raise ValueError(
@@ -105,7 +149,7 @@ def check_activation_config(cfg: GemmConfig, fmt: Format, epilogue: Epilogue) ->
                          f"up group of the interleaved w13 per tile), got {cfg.tile_n}")
     if cfg.tail is Tail.SPLIT:
         raise ValueError(f"config.tail must not be SPLIT with Epilogue.{epilogue.name} (a tile's rows stay on one CTA)")
-    if epilogue is Epilogue.SWIGLU_FP8 and (cfg.cluster_n != 2 or fmt is not Format.FP8_BLOCK128):
+    if epilogue is Epilogue.SWIGLU_FP8 and (cfg.cluster_n != 2 or not fmt.promotes):
         raise ValueError("Epilogue.SWIGLU_FP8 needs fp8 operands and config.cluster_n=2 (the pair's 128 h "
                          f"columns share each row's scale), got {fmt.value}, cluster_n={cfg.cluster_n}")
 

@@ -62,6 +62,7 @@ def produce_tile(
     slot_tx=None,  # the bytes each CTA's slot receives for this tile, or None: the pipeline's count
     sfb_k=None,  # block-scaled fp8: the tile's weight scales over K, per scale block
     sSFB=None,  # (FP8_SLOT_WEIGHT_SCALES, stages) fp32
+    b_exps=None,  # MXFP4 weights: (TMA atom, (TMA, k_tiles), (TMA, stages)) of the B tile's E8M0 bytes
 ) -> pipeline.PipelineState:
     """Load every k-tile of one output tile into the ring; returns the advanced state.
 
@@ -106,6 +107,8 @@ def produce_tile(
             tma_atom_b, tBgB_k[(None, k_tile)], tBsB[(None, producer_state.index)],
             tma_bar_ptr=bar, cache_policy=policy_b,
         )
+        if cutlass.const_expr(b_exps is not None):
+            cute.copy(b_exps[0], b_exps[1][(None, k_tile)], b_exps[2][(None, producer_state.index)], tma_bar_ptr=bar)
         if cutlass.const_expr(tma_atom_sfa is not None):
             cute.copy(
                 tma_atom_sfa, tSFAgSFA_k[(None, k_tile)], tSFAsSFA[(None, producer_state.index)],
@@ -195,6 +198,7 @@ class KTileMma(NamedTuple):
     sSFA: cute.Tensor  # (BM, 1, stages) fp32 activation scales, one per row per k-tile
     rows: tuple  # this thread's two tile rows (accumulator value mode 1)
     sSFB: cute.Tensor  # (FP8_SLOT_WEIGHT_SCALES, stages) fp32 weight scales
+    b_buffers: int = 0  # MXFP4 weights: slot i's B is buffer i % b_buffers (0: slot i's own)
 
 
 class PromotionTarget(NamedTuple):
@@ -308,6 +312,7 @@ def _issue_k_tile(mma: KTileMma, state, acc, in_parts: bool):
     sfa1 = mma.sSFA[(mma.rows[1], 0, state.index)]
     scale = ((sfa0 * sfb[0], sfa0 * sfb[1]), (sfa1 * sfb[0], sfa1 * sfb[1]))
     cute.nvgpu.warpgroup.fence()
+    b_index = state.index if mma.b_buffers == 0 else state.index % mma.b_buffers
     # (plain Python loops: these helpers are traced inline, unrolled)
     if in_parts:
         # each chain starts from zero by its first wgmma's scale-d, not by
@@ -316,12 +321,13 @@ def _issue_k_tile(mma: KTileMma, state, acc, in_parts: bool):
         for acc_h, tCrB_h in zip(acc, mma.tCrB):
             for k_block in range(cute.size(mma.tCrA, mode=[2])):
                 coord = (None, None, k_block, state.index)
-                cute.gemm(mma.tiled_mma[min(k_block, 1)], acc_h, mma.tCrA[coord], tCrB_h[coord], acc_h)
+                cute.gemm(mma.tiled_mma[min(k_block, 1)], acc_h, mma.tCrA[coord],
+                          tCrB_h[(None, None, k_block, b_index)], acc_h)
             cute.nvgpu.warpgroup.commit_group()
         return scale
     for k_block in range(cute.size(mma.tCrA, mode=[2])):
         coord = (None, None, k_block, state.index)
-        cute.gemm(mma.tiled_mma, acc, mma.tCrA[coord], mma.tCrB[coord], acc)
+        cute.gemm(mma.tiled_mma, acc, mma.tCrA[coord], mma.tCrB[(None, None, k_block, b_index)], acc)
     cute.nvgpu.warpgroup.commit_group()
     return scale
 

@@ -44,6 +44,7 @@ class ProducerLoads(NamedTuple):
     tSFAsSFA: object
     mSFB_nkl: object  # (N/128, K/128, E) weight scales
     sSFB: object  # (FP8_SLOT_WEIGHT_SCALES, stages)
+    b_exps: object = None  # MXFP4 weights: (TMA atom, (TMA, RestN, RestK, E), (TMA, stages)) of the E8M0 bytes
 
 
 class Producer:
@@ -79,15 +80,19 @@ class Producer:
             tBgB_k = loads.tBgB[(None, work.n_block, None, work.expert)]
             tSFAgSFA_k, sfb_k = None, None
             slot_tx = None if cutlass.const_expr(a_tx is None) else tma_bytes + a_tx
+            exps_k = None
+            if cutlass.const_expr(loads.b_exps is not None):
+                exps_k = (loads.b_exps[0], loads.b_exps[1][(None, work.n_block, None, work.expert)], loads.b_exps[2])
             if cutlass.const_expr(self.shape.blockwise):
                 tSFAgSFA_k = loads.tSFAgSFA[(None, work.m_block, None, work.expert)]
-                sfb_k = self.weight_scales_over_k(loads.mSFB_nkl, work)
+                if cutlass.const_expr(not self.shape.converted_b):
+                    sfb_k = self.weight_scales_over_k(loads.mSFB_nkl, work)
                 if cutlass.const_expr(a_tx is None):
                     slot_tx = tma_bytes
             producer_state = produce_tile(
                 ab_pipeline, producer_state, loads.tma_atom_a, a_loads,
                 loads.tma_atom_b, tBgB_k, loads.tBsB, k_tile_cnt, policy_a, policy_b, loads.a_mcast_mask,
-                loads.tma_atom_sfa, tSFAgSFA_k, loads.tSFAsSFA, slot_tx, sfb_k, loads.sSFB,
+                loads.tma_atom_sfa, tSFAgSFA_k, loads.tSFAsSFA, slot_tx, sfb_k, loads.sSFB, exps_k,
             )
             used = to_next_unit(self.config, sched, feed, used, claims)
             work = sched.work()

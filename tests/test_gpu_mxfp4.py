@@ -1,0 +1,150 @@
+"""GPU correctness of the MXFP4-weight GEMM (``Format.FP8_MXFP4``: e4m3
+activations with 1x128 scales, packed e2m1 weights with E8M0 exponents per
+32; skipped without an sm_90 GPU).
+
+The reference is the float64 product of the *dequantized* operands (the
+kernel multiplies exactly those values: the weights are exact in e4m3 once
+each group's exponent is folded, ``device.e2m1``). Two checks per expert on
+the valid rows:
+
+* DeepGEMM's similarity < 1e-3 (the bar for fp8 activations);
+* elementwise |out - ref| <= 2**-8 |ref| + 2**-11 (|a| @ |b|.T): bf16
+  rounding of the output (half an ulp is 2**-9 relative), plus the fp8
+  wgmma's own accumulation, which keeps about 13 fraction bits within a
+  128-deep k-block before the fp32 promotion (DeepGEMM's measurement;
+  2**-11 leaves a factor 4 for the partial sums' alignment).
+
+Outputs and guard regions are poisoned first: rows >= m_e and memory
+around ``out`` must keep the poison.
+"""
+
+import pytest
+import torch
+
+import flashgemm
+from flashgemm.config import GemmConfig, Promotion, Tail, TileOrder
+from flashgemm.mxfp4 import dequantize_as_kernel, dequantize_mxfp4, prepare_weights, quantize_mxfp4, unprepare_weights
+from flashgemm.quant import quantize_fp8_per_token
+from flashgemm.reference import similarity
+
+from conftest import requires_hopper
+
+pytestmark = requires_hopper
+
+POISON = -12345.0
+GUARD = 4096
+
+
+def _case(e_count, max_m, n, k, masked, spread=4.0):
+    dev = "cuda"
+    x = torch.randn(e_count, max_m, k, device=dev) * torch.rand(e_count, max_m, 1, device=dev).mul(spread).exp2()
+    # rows and 32-groups of different magnitudes, so every exponent path is used
+    w = torch.randn(e_count, n, k, device=dev) / k**0.5
+    w = w * torch.rand(e_count, n, k // 32, 1, device=dev).mul(spread).exp2().repeat_interleave(32, -2).flatten(-2)
+    a, a_scale = quantize_fp8_per_token(x)
+    packed, scales = quantize_mxfp4(w)
+    b, b_scale = prepare_weights(packed, scales)
+    masked_m = torch.tensor(masked, dtype=torch.int32, device=dev)
+    return a, a_scale, b, b_scale, dequantize_mxfp4(packed, scales), masked_m
+
+
+def _poisoned_out(e_count, max_m, n):
+    numel = e_count * max_m * n
+    buf = torch.full((GUARD + numel + GUARD,), POISON, device="cuda", dtype=torch.bfloat16)
+    return buf, buf[GUARD:GUARD + numel].view(e_count, max_m, n)
+
+
+def _dequant_a(a, a_scale):
+    k = a.shape[2]
+    return a.double() * a_scale.double().repeat_interleave(128, dim=2)[:, :, :k]
+
+
+def _check(a, a_scale, b_deq, masked_m, out, buf):
+    torch.cuda.synchronize()
+    assert (buf[:GUARD] == POISON).all(), "write before out"
+    assert (buf[-GUARD:] == POISON).all(), "write after out"
+    a_deq = _dequant_a(a, a_scale)
+    max_m = out.shape[1]
+    for e, m in enumerate(masked_m.clamp(0, max_m).tolist()):
+        assert (out[e, m:] == POISON).all(), f"expert {e}: rows >= m_e={m} were written"
+        if not m:
+            continue
+        ref = a_deq[e, :m] @ b_deq[e].double().T
+        mag = a_deq[e, :m].abs() @ b_deq[e].double().abs().T
+        got = out[e, :m].double()
+        assert not got.isnan().any(), f"expert {e}: NaN"
+        assert similarity(got.float(), ref.float()) < 1e-3, f"expert {e}: similarity"
+        bound = 2.0**-8 * ref.abs() + 2.0**-11 * mag
+        excess = ((got - ref).abs() - bound).max().item()
+        assert excess <= 0, f"expert {e} (m_e={m}): error over the bound by {excess:.3e}"
+
+
+CASES = [
+    # (E, max_m, N, K, masked_m): decode, odd N and K (2880, not multiples of 128), every masked_m kind
+    (8, 64, 4096, 7168, [5, 0, 64, 17, 1, 33, 200, -3]),
+    (4, 128, 2880, 2880, [128, 3, 0, 77]),
+    (16, 32, 5760, 2880, [1, 2, 3, 4, 0, 32, 31, 8, 1, 1, 0, 9, 16, 5, 3, 2]),
+    (2, 300, 1024, 512, [300, 129]),
+    (1, 1, 16, 32, [1]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}-M{c[1]}-N{c[2]}-K{c[3]}")
+def test_heuristic_pick(case, seed):
+    e_count, max_m, n, k, masked = case
+    a, a_scale, b, b_scale, b_deq, masked_m = _case(e_count, max_m, n, k, masked)
+    buf, out = _poisoned_out(e_count, max_m, n)
+    flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale,
+                                     expected_m=max(1, sum(max(0, min(m, max_m)) for m in masked) // e_count))
+    _check(a, a_scale, b_deq, masked_m, out, buf)
+
+
+CONFIGS = [
+    GemmConfig(tile_m=64, tile_n=128, cluster_n=2, order=TileOrder.DYNAMIC, a_chunk_rows=32, l2_hints=True),
+    GemmConfig(tile_m=64, tile_n=64, cluster_n=1),
+    GemmConfig(tile_m=64, tile_n=192, cluster_n=1, order=TileOrder.N_MAJOR),
+    GemmConfig(tile_m=128, tile_n=128, cluster_n=2, tail=Tail.BALANCE, promotion=Promotion.SERIAL),
+    GemmConfig(tile_m=128, tile_n=192, cluster_n=2, tail=Tail.SPLIT, promotion=Promotion.TWO_PARTS),
+    GemmConfig(tile_m=64, tile_n=128, cluster_n=1, promotion=Promotion.OVERLAPPED),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.short_name())
+def test_configs(config, seed):
+    e_count, max_m, n, k = 6, 200, 2880, 2880
+    masked = [200, 0, 7, 150, 64, -1]
+    a, a_scale, b, b_scale, b_deq, masked_m = _case(e_count, max_m, n, k, masked)
+    buf, out = _poisoned_out(e_count, max_m, n)
+    flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, config=config)
+    _check(a, a_scale, b_deq, masked_m, out, buf)
+
+
+def test_wide_exponent_spans_flush_as_documented(seed):
+    # one weight group per tile 20 binades below the rest: the kernel multiplies
+    # dequantize_as_kernel's values (that group zero), and the rest exactly
+    e_count, max_m, n, k = 2, 64, 256, 512
+    a, a_scale, b, b_scale, _, masked_m = _case(e_count, max_m, n, k, [64, 40], spread=2.0)
+    b_scale = b_scale.clone()  # (N contiguous, as prepared)
+    b_scale[:, 5, 1] = (b_scale[:, 5, 1].int() - 20).clamp(min=0).to(torch.uint8)
+    packed, scales = unprepare_weights(b, b_scale)
+    config = GemmConfig(tile_m=64, tile_n=128, cluster_n=1)
+    buf, out = _poisoned_out(e_count, max_m, n)
+    flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, config=config)
+    kernel_view = dequantize_as_kernel(packed, scales, 128)
+    assert (kernel_view[:, 5, 32:64] == 0).all() and (dequantize_mxfp4(packed, scales)[:, 5, 32:64] != 0).any()
+    _check(a, a_scale, kernel_view, masked_m, out, buf)
+
+
+def test_e8m0_dtype_and_graph_replay(seed):
+    e_count, max_m, n, k = 4, 32, 512, 1024
+    a, a_scale, b, b_scale, b_deq, masked_m = _case(e_count, max_m, n, k, [32, 1, 0, 20])
+    s8 = b_scale.view(torch.float8_e8m0fnu)
+    buf, out = _poisoned_out(e_count, max_m, n)
+    flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, a_scale=a_scale, b_scale=s8)  # warm (compile)
+    buf.fill_(POISON)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flashgemm.grouped_gemm_nt_masked(a, b, out, masked_m, a_scale=a_scale, b_scale=s8)
+    masked_m.copy_(torch.tensor([3, 32, 17, 0], dtype=torch.int32))
+    graph.replay()
+    _check(a, a_scale, b_deq, masked_m, out, buf)
