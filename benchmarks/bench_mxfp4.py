@@ -112,8 +112,8 @@ def run_layer(spec, seed, rounds, reps):
     x, xs = quantize_fp8_per_token(torch.randn(e_local, tokens, hidden, device="cuda"))
     w13 = torch.randn(e_local, 2 * inter, hidden, device="cuda") / hidden**0.5
     w2 = torch.randn(e_local, hidden, inter, device="cuda") / inter**0.5
-    fp8_layer = MaskedExperts(*(quantize_fp8_per_block(w)[0] for w in (w13, w2)),
-                              w13_scale=quantize_fp8_per_block(w13)[1], w2_scale=quantize_fp8_per_block(w2)[1])
+    (f13, f13_scale), (f2, f2_scale) = quantize_fp8_per_block(w13), quantize_fp8_per_block(w2)
+    fp8_layer = MaskedExperts(f13, f2, w13_scale=f13_scale, w2_scale=f2_scale)
     q13, q2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
     (b13, s13), (b2, s2) = prepare_weights(*q13), prepare_weights(*q2)
     mx_layer = MaskedExperts(b13, b2, w13_scale=s13, w2_scale=s2)

@@ -30,7 +30,8 @@ import torch
 
 from .formats import Format
 from .validation import (
-    FP8, _check_no_self_overlap, check_tensor, _check_tma_operand, check_expert_dims, check_masked_m, check_no_alias,
+    FP8, _check_no_self_overlap, _check_tma_operand, check_a_scale_shape, check_a_scale_strides, check_expert_dims,
+    check_masked_m, check_no_alias, check_tensor,
 )
 
 _E8M0 = torch.float8_e8m0fnu
@@ -172,13 +173,8 @@ def validate_mxfp4_weight_args(a, b, out, masked_m, a_scale, b_scale) -> tuple[i
     if a_scale is None:
         raise ValueError("float8_e4m3fn a needs a_scale: float32 [E, max_m, ceil(K/128)]; got None")
     check_tensor("a_scale", a_scale, 3, (torch.float32,))
-    want_a = (e_count, max_m, -(-k // 128))
-    if tuple(a_scale.shape) != want_a:
-        raise ValueError(f"a_scale must have shape (E, max_m, ceil(K/128)) = {want_a}, got {tuple(a_scale.shape)}")
-    st = a_scale.stride()
-    if st[1] != 1 and st[2] != 1:
-        raise ValueError("a_scale must be contiguous along M (stride(1) == 1, the TMA layout) or along "
-                         f"the K blocks (stride(2) == 1), got strides {tuple(st)}")
+    check_a_scale_shape(a_scale, e_count, max_m, k)
+    check_a_scale_strides(a_scale)
     if b_scale is None:
         raise ValueError("MXFP4 weights need b_scale: E8M0 exponents [E, N, K/32] stored N contiguous "
                          "(flashgemm.mxfp4.prepare_weights); got None")

@@ -113,11 +113,15 @@ def prepare_weights(packed: torch.Tensor, scales: torch.Tensor):
     codes, s = _check_pair(packed, scales)
     if codes.dim() != 3:
         raise ValueError(f"packed must be [E, N, K/2], got {tuple(packed.shape)}")
-    b = kernel_bytes(codes)
-    # (allocated explicitly: .contiguous() keeps a size-1 dim's unaligned stride)
-    exps = torch.empty(s.shape[:-2] + (s.shape[-1], s.shape[-2]), dtype=torch.uint8, device=s.device)
-    exps.copy_(s.transpose(-1, -2))
-    return b, exps.transpose(-1, -2)
+    return kernel_bytes(codes), n_contiguous(s)
+
+
+def n_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """[..., N, C] with the same values, stored N contiguous (allocated
+    explicitly: ``.contiguous()`` keeps a size-1 dim's unaligned stride)."""
+    out = torch.empty(t.shape[:-2] + (t.shape[-1], t.shape[-2]), dtype=t.dtype, device=t.device)
+    out.copy_(t.transpose(-1, -2))
+    return out.transpose(-1, -2)
 
 
 def kernel_bytes(codes: torch.Tensor) -> torch.Tensor:

@@ -130,11 +130,7 @@ def _check_scales(a, b, a_scale, b_scale, e_count, max_m, n, k) -> None:
     check_tensor("a_scale", a_scale, 3, (torch.float32,))
     check_tensor("b_scale", b_scale, 3, (torch.float32,))
     k_blocks = -(-k // _SCALE_BLOCK)
-    want_a = (e_count, max_m, k_blocks)
-    if tuple(a_scale.shape) != want_a:
-        raise ValueError(
-            f"a_scale must have shape (E, max_m, ceil(K/128)) = {want_a}, got {tuple(a_scale.shape)}"
-        )
+    check_a_scale_shape(a_scale, e_count, max_m, k)
     want_b = (e_count, -(-n // _SCALE_BLOCK), k_blocks)
     if tuple(b_scale.shape) != want_b:
         raise ValueError(
@@ -146,6 +142,18 @@ def _check_scales(a, b, a_scale, b_scale, e_count, max_m, n, k) -> None:
             "b_scale's stride along the K blocks is too large: (ceil(K/128) - 1) * stride(2) "
             f"must be below 2**31, got ({k_blocks} - 1) * {b_scale.stride(2)}"
         )
+    check_a_scale_strides(a_scale)
+
+
+def check_a_scale_shape(a_scale, e_count: int, max_m: int, k: int) -> None:
+    """The 1x128 activation scales: (E, max_m, ceil(K/128))."""
+    want = (e_count, max_m, -(-k // _SCALE_BLOCK))
+    if tuple(a_scale.shape) != want:
+        raise ValueError(f"a_scale must have shape (E, max_m, ceil(K/128)) = {want}, got {tuple(a_scale.shape)}")
+
+
+def check_a_scale_strides(a_scale) -> None:
+    """M contiguous (read in place) or K-block contiguous (copied first: ``tma_ready_a_scale``)."""
     st = a_scale.stride()
     if st[1] != 1 and st[2] != 1:
         raise ValueError(

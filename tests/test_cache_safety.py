@@ -223,13 +223,19 @@ def _in_thread(fn):
     return t, out
 
 
-def test_lock_wait_is_reported_and_bounded(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHGEMM_CACHE_LOCK_TIMEOUT", "1.5")
-    monkeypatch.setattr(diskcache, "LOCK_NOTICE_S", 0.3, raising=False)
+def _lock_held_by_another(tmp_path, monkeypatch, timeout: str, notice_s: float):
+    """A private cache directory whose key's lock another holder has, with
+    the lock timeout and the notice delay set: (directory, key, lock path, holder)."""
+    monkeypatch.setenv("FLASHGEMM_CACHE_LOCK_TIMEOUT", timeout)
+    monkeypatch.setattr(diskcache, "LOCK_NOTICE_S", notice_s, raising=False)
     directory = _private_dir(tmp_path / "cache")
     key = _key()
     lock_path = directory / f"{diskcache._digest(key)}.lock"
-    holder = _HeldLock(lock_path)
+    return directory, key, lock_path, _HeldLock(lock_path)
+
+
+def test_lock_wait_is_reported_and_bounded(tmp_path, monkeypatch):
+    directory, key, lock_path, holder = _lock_held_by_another(tmp_path, monkeypatch, "1.5", 0.3)
     try:
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
@@ -250,12 +256,7 @@ def test_lock_wait_is_reported_and_bounded(tmp_path, monkeypatch):
 
 
 def test_waiter_goes_on_when_the_lock_is_released(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHGEMM_CACHE_LOCK_TIMEOUT", "60")
-    monkeypatch.setattr(diskcache, "LOCK_NOTICE_S", 0.2, raising=False)
-    directory = _private_dir(tmp_path / "cache")
-    key = _key()
-    lock_path = directory / f"{diskcache._digest(key)}.lock"
-    holder = _HeldLock(lock_path)
+    directory, key, lock_path, holder = _lock_held_by_another(tmp_path, monkeypatch, "60", 0.2)
     calls = []
     try:
         with warnings.catch_warnings(record=True) as record:

@@ -21,6 +21,7 @@ from ..formats import Format
 from ..jit.arch import default_arch, device_facts
 from ..plan import PlanCache, planned
 from ..blockscaled_args import validate_mxfp4_weight_args
+from ..mxfp4 import n_contiguous
 from ..validation import (
     FP8,
     byte_span,
@@ -60,7 +61,7 @@ def interleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None) 
     w = w13.reshape(e_count, 2, groups, SWIGLU_GRANULE, hidden).transpose(1, 2)
     w = w.reshape(e_count, two_i, hidden).contiguous()
     if w13.dtype == torch.int8:  # MXFP4 (mxfp4.prepare_weights): the exponents' rows move alike
-        return InterleavedW13(w, _n_major(_interleave_rows(_mxfp4_exps(w13_scale, w13), groups)))
+        return InterleavedW13(w, n_contiguous(_interleave_rows(_mxfp4_exps(w13_scale, w13), groups)))
     if w13.dtype != FP8:
         if w13_scale is not None:
             raise ValueError("w13_scale is only for float8_e4m3fn weights")
@@ -100,13 +101,6 @@ def _interleave_rows(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.reshape(e_count, 2, groups, SWIGLU_GRANULE, cols).transpose(1, 2).reshape(e_count, two_i, cols)
 
 
-def _n_major(t: torch.Tensor) -> torch.Tensor:
-    """[E, N, C] with the same values, stored N contiguous."""
-    out = torch.empty((t.shape[0], t.shape[2], t.shape[1]), dtype=t.dtype, device=t.device)
-    out.copy_(t.transpose(1, 2))
-    return out.transpose(1, 2)
-
-
 def deinterleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None):
     """The inverse of ``interleave_w13``: (w13 [E, 2I, H], scales [E, 2I/128,
     H/128] or None) in the checkpoint layout."""
@@ -115,7 +109,7 @@ def deinterleave_w13(w13: torch.Tensor, w13_scale: Optional[torch.Tensor] = None
     w = w13.reshape(e_count, groups, 2, SWIGLU_GRANULE, hidden).transpose(1, 2).reshape(e_count, two_i, hidden)
     if w13.dtype == torch.int8:
         s = w13_scale.reshape(e_count, groups, 2, SWIGLU_GRANULE, -1).transpose(1, 2).reshape(e_count, two_i, -1)
-        return w.contiguous(), _n_major(s)
+        return w.contiguous(), n_contiguous(s)
     if w13_scale is None:
         return w.contiguous(), None
     per_block = SCALE_BLOCK // SWIGLU_GRANULE  # groups per 128-row block, each of gate and up

@@ -42,6 +42,7 @@ from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 from ..device.e2m1 import MAX_SHIFT, e2m1x8_to_e4m3x8, scaled_table
 from ..device.layout import batch_last
 from . import barriers
+from .storage import MAX_CONVERTER_WARPS
 from .walk import start_walk, to_next_unit
 
 CHUNK = 16  # bytes of one 16-byte bank group of a swizzled row
@@ -113,7 +114,8 @@ def converter_smem(storage, sB: cute.Tensor, sSFB: cute.Tensor, tile_n: int, sta
         cute.make_tensor(storage.sBsf.data_ptr(), cute.make_layout((tile_n * GROUPS, stages))),
         cute.make_tensor(cute.recast_ptr(sB.iterator, dtype=Uint32), cute.make_layout((tile_n * ROW_BYTES // 4, buffers))),
         cute.make_tensor(cute.recast_ptr(sSFB.iterator, dtype=Int32), sSFB.layout),
-        cute.make_tensor(storage.conv_max.data_ptr(), cute.make_layout((TEAM_WARPS, 2, 8 // TEAM_WARPS))),
+        cute.make_tensor(storage.conv_max.data_ptr(),
+                         cute.make_layout((TEAM_WARPS, 2, MAX_CONVERTER_WARPS // TEAM_WARPS))),
         storage.conv_mbar.data_ptr(),
     )
 

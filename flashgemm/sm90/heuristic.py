@@ -311,30 +311,30 @@ def reachable_specs(fmt: Optional[Format] = None) -> tuple[KernelSpec, ...]:
     if fmt is None:
         return tuple(s for f in (Format.BF16, Format.FP8_BLOCK128, Format.FP8_MXFP4) for s in reachable_specs(f))
     specs = []
-    for ops in [fmt]:
-        fp8 = ops is Format.FP8_BLOCK128
-        lower = 1
-        for regime in regimes(ops):
-            for cfg in dict.fromkeys(c for c in (regime.config, regime.alternative) if c):
-                # the hints _fp8_hint can give over the regime's rows, for some grid
-                hints = {cfg.l2_hints}
-                if fp8 and _hint_maybe(cfg, lower):
-                    hints.add(True)
-                if fp8 and _hint_always(cfg, regime.up_to_m):
-                    hints.discard(False)
-                for hint in sorted(hints):
-                    for use in ("plain", "signals", "combine"):
-                        for single in (False, True):
-                            if single and cfg is regime.alternative and not regime.alternative_on_one_sm:
-                                continue
-                            final = _finish(cfg, fp8, hint, use == "signals", single, use == "combine")
-                            if use == "combine":
-                                specs.extend(KernelSpec(final, ops, None, epi) for epi in COMBINES)
-                                continue
-                            if use == "plain" and not (fp8 and single):
-                                act = Epilogue.SWIGLU_FP8 if fp8 else Epilogue.SWIGLU_BF16
-                                specs.append(KernelSpec(activation_config(final, fp8), ops, None, act))
-                            modes = SIGNAL_MODES[1:] if use == "signals" else SIGNAL_MODES[:1]
-                            specs.extend(KernelSpec(final, ops, mode) for mode in modes)
-            lower = regime.up_to_m + 1
+    ops = fmt
+    fp8 = ops is Format.FP8_BLOCK128
+    lower = 1
+    for regime in regimes(ops):
+        for cfg in dict.fromkeys(c for c in (regime.config, regime.alternative) if c):
+            # the hints _fp8_hint can give over the regime's rows, for some grid
+            hints = {cfg.l2_hints}
+            if fp8 and _hint_maybe(cfg, lower):
+                hints.add(True)
+            if fp8 and _hint_always(cfg, regime.up_to_m):
+                hints.discard(False)
+            for hint in sorted(hints):
+                for use in ("plain", "signals", "combine"):
+                    for single in (False, True):
+                        if single and cfg is regime.alternative and not regime.alternative_on_one_sm:
+                            continue
+                        final = _finish(cfg, fp8, hint, use == "signals", single, use == "combine")
+                        if use == "combine":
+                            specs.extend(KernelSpec(final, ops, None, epi) for epi in COMBINES)
+                            continue
+                        if use == "plain" and not (fp8 and single):
+                            act = Epilogue.SWIGLU_FP8 if fp8 else Epilogue.SWIGLU_BF16
+                            specs.append(KernelSpec(activation_config(final, fp8), ops, None, act))
+                        modes = SIGNAL_MODES[1:] if use == "signals" else SIGNAL_MODES[:1]
+                        specs.extend(KernelSpec(final, ops, mode) for mode in modes)
+        lower = regime.up_to_m + 1
     return tuple(dict.fromkeys(specs))

@@ -117,15 +117,15 @@ class MaskedGroupedGemmSm90(GemmLayouts):
         self.converters = converter_warpgroups(config.consumer_warpgroups) if self.converted_b else 0
         self.tile_mnk = config.tile_mnk(fmt)
         self.stages = resolved_stages(config, fmt, epilogue)
-        self.b_stages = converted_buffers(config) if fmt is Format.FP8_MXFP4 else self.stages
+        self.b_stages = converted_buffers(config) if self.converted_b else self.stages
         self.epi_stages = config.epi_buffers
         self.num_consumer_wg = config.consumer_warpgroups
         self.num_consumer_threads = 128 * self.num_consumer_wg
         self.threads = config.threads + 128 * self.converters
         self.cluster_n = config.cluster_n
         self.a_chunk = config.a_chunk_rows
-        # 8-bit operands are the block-scaled fp8 recipe (a_scale, b_scale)
-        self.blockwise = fmt in (Format.FP8_BLOCK128, Format.FP8_MXFP4)
+        # e4m3 products promoted with the 1x128 / weight scales (a_scale, b_scale)
+        self.blockwise = fmt.promotes
         # the fused fp8 SwiGLU exchanges row maxima with its cluster peer (act_epilogue)
         self.row_max_exchange = epilogue is Epilogue.SWIGLU_FP8
         shape = KernelShape(config, self.tile_mnk, self.stages, ab_dtype, self.acc_dtype, self.blockwise,
@@ -272,9 +272,10 @@ class MaskedGroupedGemmSm90(GemmLayouts):
         storage = smem.allocate(self.shared_storage)
 
         # with config.a_chunk_rows the A bytes are counted per tile (produce_tile)
-        tma_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0)))
         if cutlass.const_expr(self.converted_b):
             tma_bytes = self.tile_mnk[1] * (self.tile_mnk[2] // 2 + self.tile_mnk[2] // 32)  # packed + E8M0
+        else:
+            tma_bytes = cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0)))
         if cutlass.const_expr(self.a_chunk == 0):
             tma_bytes += cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0)))
         if cutlass.const_expr(self.blockwise):
