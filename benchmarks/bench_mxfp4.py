@@ -10,6 +10,12 @@ what each call must move: the weights and their scales of non-empty experts
 (MXFP4: K/2 + K/32 bytes per row; fp8: K + the 128x128 fp32 scales), plus the
 valid rows of A, their scales, and of the output.
 
+With ``--gpt-oss`` it times gpt-oss's expert layer (``moe.GptOssExperts``:
+biases, the clamped SwiGLU, H = I = 2880, 16 local experts of 128, top-4,
+128 tokens per rank on EP8) with MXFP4 weights and fp8 activations against
+the same layer with bf16 weights and activations, and checks the MXFP4 one
+against the float64 reference of the model's formula.
+
 With ``--layer`` it times the whole MoE expert layer instead
 (``moe.MaskedExperts``: gate_up with the SwiGLU and the fp8 quantization
 fused, down with the combine fused) on DeepSeek-V3 and Qwen3-235B EP8 decode
@@ -20,6 +26,7 @@ float reference of the same dequantized weights.
     python benchmarks/bench_mxfp4.py                  # decode cases, markdown to stdout
     python benchmarks/bench_mxfp4.py --cases dsv3-ep8-gate_up --json out.json
     python benchmarks/bench_mxfp4.py --layer
+    python benchmarks/bench_mxfp4.py --gpt-oss
 """
 
 from __future__ import annotations
@@ -144,6 +151,59 @@ def run_layer(spec, seed, rounds, reps):
             "speedup": paired_median(lambda p, q: q / p, t4, t8)}
 
 
+def run_gpt_oss(seed, rounds, reps):
+    from flashgemm import Combine
+    from flashgemm.moe.gpt_oss import gpt_oss_experts_ref
+    from flashgemm.moe.gpt_oss_experts import GptOssExperts
+    from flashgemm.quant import dequantize_fp8_per_token
+
+    e_local, hidden, inter, tokens, top_k, experts = 16, 2880, 2880, 1024, 4, 128
+    em = tokens * top_k // experts
+    g = torch.Generator().manual_seed(seed)
+    masked = (em * (0.7 + 0.6 * torch.rand(e_local, generator=g))).to(torch.int32)
+    tok = torch.stack([torch.randperm(tokens, generator=g) for _ in range(e_local)]).to(torch.int32)
+    wt = torch.rand(e_local, tokens, generator=g)
+    masked_m, tok, wt = masked.cuda(), tok.cuda(), wt.cuda()
+    torch.manual_seed(seed)
+    x = torch.randn(e_local, tokens, hidden, device="cuda")
+    xq, xs = quantize_fp8_per_token(x)
+    w13 = 3 * torch.randn(e_local, 2 * inter, hidden, device="cuda") / hidden**0.5
+    w2 = torch.randn(e_local, hidden, inter, device="cuda") / inter**0.5
+    b13, b2 = torch.randn(e_local, 2 * inter, device="cuda"), 0.1 * torch.randn(e_local, hidden, device="cuda")
+    q13, q2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    (p13, s13), (p2, s2) = prepare_weights(*q13), prepare_weights(*q2)
+    mx_layer = GptOssExperts(p13, b13, p2, b2, w13_scale=s13, w2_scale=s2)
+    bf_layer = GptOssExperts(w13.bfloat16(), b13, w2.bfloat16(), b2)
+    xb = x.bfloat16()
+    out4 = torch.zeros(tokens, hidden, device="cuda")
+    out16 = torch.zeros(tokens, hidden, device="cuda")
+    mx_layer(xq, masked_m, Combine(tok, wt, out4), x_scale=xs, expected_m=em)
+    ref = gpt_oss_experts_ref(dequantize_fp8_per_token(xq, xs), masked_m, dequantize_mxfp4(*q13), b13,
+                              dequantize_mxfp4(*q2), b2, token_index=tok, weight=wt, num_tokens=tokens)
+    torch.cuda.synchronize()
+    diff = similarity(out4, ref.float())
+    if diff > 1e-3:
+        raise SystemExit(f"gpt-oss MXFP4 layer wrong (similarity diff {diff:.2e})")
+    t4, t16 = time_graph_rounds([
+        lambda: mx_layer(xq, masked_m, Combine(tok, wt, out4), x_scale=xs, expected_m=em),
+        lambda: bf_layer(xb, masked_m, Combine(tok, wt, out16), expected_m=em),
+    ], rounds=rounds, reps=reps)
+    rows = int(masked.sum())
+    return {"case": "gpt-oss-120b-ep8-t128", "experts": e_local, "rows": rows, "similarity_diff": diff,
+            "mxfp4_us": 1e3 * paired_median(lambda t: t, t4), "bf16_us": 1e3 * paired_median(lambda t: t, t16),
+            "speedup": paired_median(lambda p, q: q / p, t4, t16)}
+
+
+def gpt_oss_markdown(row, device, cmd):
+    return "\n".join([
+        f"gpt-oss expert layer (H = I = 2880, biases, clamped SwiGLU, top-4), MXFP4 weights + fp8 activations vs "
+        f"bf16 weights + bf16 activations, {device}, {datetime.date.today()}, `{cmd}`.", "",
+        "| layer | local experts | rows | MXFP4 us | bf16 us | bf16 / MXFP4 | similarity diff (formula) |",
+        "|---|---|---|---|---|---|---|",
+        f"| {row['case']} | {row['experts']} | {row['rows']} | {row['mxfp4_us']:.1f} | {row['bf16_us']:.1f} | "
+        f"{row['speedup']:.2f}x | {row['similarity_diff']:.1e} |"])
+
+
 def layer_markdown(rows, device, cmd):
     lines = [f"MoE expert layer, MXFP4 vs fp8 weights (fp8 activations), {device}, {datetime.date.today()}, "
              f"`{cmd}`.", "",
@@ -178,8 +238,16 @@ def main():
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--json")
     p.add_argument("--layer", action="store_true", help="time the whole expert layer (MXFP4 vs fp8 weights)")
+    p.add_argument("--gpt-oss", action="store_true", help="time gpt-oss's expert layer (MXFP4 vs bf16 weights)")
     args = p.parse_args()
     cmd = "python " + " ".join(sys.argv)
+    if args.gpt_oss:
+        row = run_gpt_oss(0, args.rounds, args.reps)
+        print(gpt_oss_markdown(row, torch.cuda.get_device_name(), cmd))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "gpt_oss": row}, f, indent=1)
+        return
     if args.layer:
         rows = [run_layer(spec, i, args.rounds, args.reps) for i, spec in enumerate(LAYERS)]
         print(layer_markdown(rows, torch.cuda.get_device_name(), cmd))

@@ -215,7 +215,8 @@ def _without_gpu(why: str) -> int:
     print(f"flashgemm demo: {why}.")
     print("Without a Hopper GPU nothing is launched. Instead: compile a sample of the layer's sm_90a kernels")
     print("(real builds, PTX checked): one fp8 GEMM tile configuration (64x128, 2-CTA clusters) in each of its")
-    print("epilogues, and the two MoE activation kernels; then run the layer's float reference on a small CPU case.")
+    print("epilogues, and the four MoE activation kernels (the SwiGLU's and gpt-oss's, fp8 and bf16); then run the")
+    print("layer's float reference on a small CPU case.")
     print("(python -m flashgemm compile builds every kernel: a few minutes on 2 cores.)\n")
     rc = cmd_compile(argparse.Namespace(arch="sm_90a", cache_dir=None, match=CPU_SAMPLE, moe=True))
     e_count, max_m, hidden, inter, tokens = 4, 16, 256, 128, 24

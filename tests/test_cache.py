@@ -313,8 +313,8 @@ def test_cli_fills_a_cache_a_new_process_uses(cli_filled_cache):
     block_ms = sm90_build.combine_block_ms(specs)
     from flashgemm.ep.combine import ep_kernel_jobs
 
-    # and the two MoE activation kernels, the expert-parallel ones
-    total = len(specs) + len(block_ms) + 2 + len(ep_kernel_jobs("sm_90a", block_ms))
+    # and the four MoE activation kernels (SwiGLU and gpt-oss's, fp8 and bf16), the expert-parallel ones
+    total = len(specs) + len(block_ms) + 4 + len(ep_kernel_jobs("sm_90a", block_ms))
     assert re.search(rf"^{total} kernels for sm_90a in ", res.stdout, re.M), res.stdout
     script = """
 import json

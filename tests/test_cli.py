@@ -37,8 +37,8 @@ def fake_builds(monkeypatch):
     built = []
     monkeypatch.setattr(sm90_build, "build", lambda spec, arch=None, **kw: built.append(spec.name()) or _FakeBuild(
         "wgmma.mma_async cp.async.bulk.tensor.3d.shared::cta.global"))
-    monkeypatch.setattr(activation, "build", lambda fp8, arch=None, **kw: built.append(f"silu_mul-{fp8}") or _FakeBuild(
-        "cvt.rn.satfinite.e4m3x2.f32" if fp8 else ""))
+    monkeypatch.setattr(activation, "build", lambda fp8, arch=None, kind=activation.ActivationKind.SILU, **kw:
+                        built.append(f"{kind.value}-{fp8}") or _FakeBuild("cvt.rn.satfinite.e4m3x2.f32" if fp8 else ""))
     return built
 
 
@@ -94,10 +94,10 @@ def test_match_lists_the_subset_it_compiles(capsys, fake_builds):
 def test_moe_flag_adds_the_activations_to_a_match(capsys, fake_builds):
     main(["compile", "--match", demo.CPU_SAMPLE, "--moe"])
     gemms = [s.name() for s in reachable_specs() if demo.CPU_SAMPLE in s.name()]
-    assert fake_builds == gemms + ["silu_mul-True", "silu_mul-False"]
+    assert fake_builds == gemms + ["silu_mul-True", "silu_mul-False", "gpt_oss-True", "gpt_oss-False"]
     out = capsys.readouterr().out
-    assert f"compiling {len(gemms) + 2} of the kernels" in out
-    assert f"{len(gemms)} GEMMs whose name contains {demo.CPU_SAMPLE!r} and the 2 MoE activations" in out
+    assert f"compiling {len(gemms) + 4} of the kernels" in out
+    assert f"{len(gemms)} GEMMs whose name contains {demo.CPU_SAMPLE!r} and the 4 MoE activations" in out
 
 
 def test_cache_dir_that_is_a_file_is_refused(tmp_path, capsys, no_builds):

@@ -292,7 +292,7 @@ def test_cli_compile_lists_every_kernel(cli_compile_listing):
     from flashgemm.ep.combine import ep_kernel_jobs
 
     ep_names = [name for name, _, _ in ep_kernel_jobs("sm_90a", block_ms)]
-    total = len(specs) + len(block_ms) + 2 + len(ep_names)  # and the MoE activations, the EP kernels
+    total = len(specs) + len(block_ms) + 4 + len(ep_names)  # and the MoE activations, the EP kernels
     assert len(lines) == total and sorted(i for i, _, _ in lines.values()) == list(range(1, total + 1))
     assert {t for _, t, _ in lines.values()} == {total}
     for spec in specs:
@@ -311,7 +311,8 @@ def test_cli_compile_lists_every_kernel(cli_compile_listing):
         assert ("tma-store" in feats) != fused, spec.name()
         if spec.epilogue.activates:  # the fused SwiGLU: fp8 h only from the fp8 build
             assert ("fp8-cvt" in feats) == (spec.epilogue is Epilogue.SWIGLU_FP8), spec.name()
-    assert "fp8-cvt" in lines["moe-silu_mul-fp8"][2] and "fp8-cvt" not in lines["moe-silu_mul-bf16"][2]
+    for kind in ("silu_mul", "gpt_oss"):
+        assert "fp8-cvt" in lines[f"moe-{kind}-fp8"][2] and "fp8-cvt" not in lines[f"moe-{kind}-bf16"][2]
     for block_m in block_ms:
         _, _, feats = lines[f"combine-block_m{block_m}-rows4"]
         assert "bulk-reduce" in feats and "acquire-poll" in feats

@@ -73,8 +73,14 @@ def test_activation_fp8_matches_reference_and_leaves_padding(seed, inter):
     s.fill_(float("nan"))
     silu_mul(gu, mm, out=q, out_scale=s)
     torch.cuda.synchronize()
-    rq, rs = silu_mul_ref(gu, mm)
-    for e, m in enumerate(masked.clamp(0, max_m).tolist()):
+    assert_fp8_h_matches(q, s, *silu_mul_ref(gu, mm), masked.clamp(0, max_m).tolist())
+
+
+def assert_fp8_h_matches(q, s, rq, rs, rows):
+    """An activation kernel's fp8 h (q, s) against its reference: each
+    expert's rows past ``rows[e]`` still poisoned, the valid ones within one
+    e4m3 step."""
+    for e, m in enumerate(rows):
         assert (q[e, m:].view(torch.uint8) == FP8_NAN).all() and s[e, m:].isnan().all()
         if m:
             # the kernel's exp is ex2.approx (2 ulp): the block maxima agree to a few ulp

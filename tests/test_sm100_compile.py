@@ -112,13 +112,15 @@ def test_listing_builds_every_reachable_spec(runs, arch):
     from flashgemm.sm100.blockwise_build import blockwise_specs
 
     extra = {s.name(): s for s in blockwise_specs()}
-    want = [s.name() for s in SPECS] + list(extra) + ["moe-silu_mul-fp8", "moe-silu_mul-bf16"]
+    want = [s.name() for s in SPECS] + list(extra) + [f"moe-{kind}-{t}" for kind in ("silu_mul", "gpt_oss")
+                                                       for t in ("fp8", "bf16")]
     assert sorted(found) == sorted(want), out[-3000:]
     assert f"compiling the {len(want)} kernels flashgemm can launch on {arch}: {len(SPECS) + len(extra)} GEMMs" in out
     for name, spec in extra.items():
         assert blockwise_ok(spec, found[name]), (name, found[name])
         assert ("signal-publish" in found[name]) == (spec.signal_mode is not None)
-    assert "fp8-cvt" in found["moe-silu_mul-fp8"] and "fp8-cvt" not in found["moe-silu_mul-bf16"]
+    for kind in ("silu_mul", "gpt_oss"):
+        assert "fp8-cvt" in found[f"moe-{kind}-fp8"] and "fp8-cvt" not in found[f"moe-{kind}-bf16"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

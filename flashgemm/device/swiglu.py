@@ -27,3 +27,14 @@ def swiglu(gate: cute.Tensor, up: cute.Tensor, h: cute.Tensor):
 def quantize(h: cute.Tensor, inv_scale, q: cute.Tensor):
     """q = h * inv_scale, converted to q's dtype (fp8 e4m3)."""
     q.store((h.load() * inv_scale).to(q.element_type))
+
+
+@cute.jit
+def clamped_swiglu(gate: cute.Tensor, up: cute.Tensor, h: cute.Tensor, alpha: float, limit: float):
+    """gpt-oss's activation (``moe.gpt_oss``): h[v] = g * sigmoid(alpha * g) * (u + 1)
+    with g = min(gate[v], limit) and u = up[v] clamped to [-limit, limit]."""
+    for v in cutlass.range_constexpr(cute.size(gate)):
+        g = cute.arch.fmin(gate[v], cutlass.Float32(limit))
+        u = cute.arch.fmax(cute.arch.fmin(up[v], cutlass.Float32(limit)), cutlass.Float32(-limit))
+        denom = 1.0 + cute.math.exp(-alpha * g)
+        h[v] = (g * (u + 1.0)) * cute.arch.rcp_approx(denom)

@@ -1,9 +1,12 @@
 """SwiGLU activation with fp8 quantization, in the masked layout (device kernel).
 
 ``h[e, r, j] = silu(gu[e, r, j]) * gu[e, r, I + j]`` for the valid rows
-r < m_e of every expert, written as the down projection's input: block-scaled
-fp8 e4m3 with one fp32 scale per row and 128 columns (the 1x128 recipe), the
-scales in the M-contiguous layout the GEMM loads in place; or plain bf16.
+r < m_e of every expert (``ActivationKind.SILU``), or gpt-oss's
+``clamped_swiglu(gu[e, r] + bias[e])`` on interleaved gate / up columns
+(``GPT_OSS``, ``moe.gpt_oss``), written as the down projection's input:
+block-scaled fp8 e4m3 with one fp32 scale per row and 128 columns (the 1x128
+recipe; a last block of fewer columns has its own scale), the scales in the
+M-contiguous layout the GEMM loads in place; or plain bf16.
 Rows >= m_e are never read or written. The kernel is arch-neutral (plain
 loads, stores and shuffles) and compiles for sm_90a and sm_100a alike.
 """
@@ -16,7 +19,8 @@ from cutlass import Float32, Int32
 
 from ..schedule.walker import MaskedTileScheduler
 
-from ..device.swiglu import FP8_MAX, MIN_AMAX, quantize, swiglu
+from ..device.swiglu import FP8_MAX, MIN_AMAX, clamped_swiglu, quantize, swiglu
+from .gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 THREADS = 256
 VEC = 8  # bf16 elements per 16-byte load
@@ -34,32 +38,37 @@ class SiluMulQuant:
     columns) pieces in turn: a lane loads 8 gate and 8 up values (16 bytes
     each), computes silu(gate) * up in fp32, and for fp8 the 16 lanes of a
     128-column block reduce their |max| with butterfly shuffles; the lanes
-    store 8 fp8 bytes each and the block's first lane its scale. No shared
+    store 8 fp8 bytes each and the block's first lane its scale (``GPT_OSS``:
+    a lane loads 8 interleaved (gate, up) pairs and their 16 fp32 biases
+    instead). No shared
     memory, no pipelines. Launched with PDL: every thread first waits for
     the previous grid (``griddepcontrol.wait``).
     """
 
-    def __init__(self, fp8: bool):
+    def __init__(self, fp8: bool, gpt_oss: bool = False):
         self.fp8 = fp8
+        self.gpt_oss = gpt_oss
 
     @cute.jit
     def __call__(
         self,
-        mGU: cute.Tensor,  # (E, max_m, 2I) bf16, the gate_up output: gate columns, then up
+        mGU: cute.Tensor,  # (E, max_m, 2I) bf16, the gate_up output: gate columns, then up (GPT_OSS: interleaved)
         mMaskedM: cute.Tensor,  # (E,) int32
         mOut: cute.Tensor,  # (E, max_m, I) fp8 e4m3 or bf16
-        mScale: cute.Tensor,  # fp8: (E, max_m, I/128) fp32, M contiguous; else None
+        mScale: cute.Tensor,  # fp8: (E, max_m, ceil(I/128)) fp32, M contiguous; else None
+        mBias: cute.Tensor,  # GPT_OSS: (E, 2I) fp32, gate_up's bias; else None
         num_ctas: Int32,
         stream,
     ):
         # launched programmatically dependent: its launch overlaps the gate_up
         # GEMM's tail and the down GEMM's launch overlaps this one (docs/design.md)
-        self.kernel(mGU, mMaskedM, mOut, mScale).launch(
+        self.kernel(mGU, mMaskedM, mOut, mScale, mBias).launch(
             grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.kernel
-    def kernel(self, mGU: cute.Tensor, mMaskedM: cute.Tensor, mOut: cute.Tensor, mScale: cute.Tensor):
+    def kernel(self, mGU: cute.Tensor, mMaskedM: cute.Tensor, mOut: cute.Tensor, mScale: cute.Tensor,
+               mBias: cute.Tensor):
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -74,6 +83,8 @@ class SiluMulQuant:
         g32 = cute.make_rmem_tensor((VEC,), Float32)
         u32 = cute.make_rmem_tensor((VEC,), Float32)
         hv = cute.make_rmem_tensor((VEC,), Float32)
+        pairs = cute.make_rmem_tensor((2 * VEC,), mGU.element_type)  # GPT_OSS: (gate, up) interleaved
+        bias = cute.make_rmem_tensor((2 * VEC,), Float32)
         # gate_up's rows are final once the grid before this one has finished;
         # the next grid (the down GEMM) waits for this one's end the same way
         cute.arch.griddepcontrol_wait()
@@ -88,14 +99,22 @@ class SiluMulQuant:
             for p in cutlass.range(warp, work.valid_rows * pieces_per_row, THREADS // 32, unroll=1):
                 r = p // pieces_per_row
                 chunk = (p - r * pieces_per_row) * 32 + lane  # this lane's 8-column chunk
-                inside = chunk < chunks  # (I % 128 == 0: a half piece's lanes 16-31 are outside)
+                inside = chunk < chunks  # (lanes past I load the last chunk: their block's amax is unchanged)
                 src = cutlass.min(chunk, chunks - 1)
                 row = row0 + r
-                cute.autovec_copy(cute.local_tile(mGU[e, row, None], (VEC,), (src,)), gate)
-                cute.autovec_copy(cute.local_tile(mGU[e, row, None], (VEC,), (src + chunks,)), up)
-                g32.store(gate.load().to(Float32))
-                u32.store(up.load().to(Float32))
-                swiglu(g32, u32, hv)
+                if cutlass.const_expr(self.gpt_oss):
+                    cute.autovec_copy(cute.local_tile(mGU[e, row, None], (2 * VEC,), (src,)), pairs)
+                    cute.autovec_copy(cute.local_tile(mBias[e, None], (2 * VEC,), (src,)), bias)
+                    for i in cutlass.range_constexpr(VEC):
+                        g32[i] = pairs[2 * i].to(Float32) + bias[2 * i]
+                        u32[i] = pairs[2 * i + 1].to(Float32) + bias[2 * i + 1]
+                    clamped_swiglu(g32, u32, hv, SWIGLU_ALPHA, SWIGLU_LIMIT)
+                else:
+                    cute.autovec_copy(cute.local_tile(mGU[e, row, None], (VEC,), (src,)), gate)
+                    cute.autovec_copy(cute.local_tile(mGU[e, row, None], (VEC,), (src + chunks,)), up)
+                    g32.store(gate.load().to(Float32))
+                    u32.store(up.load().to(Float32))
+                    swiglu(g32, u32, hv)
                 dst = cute.local_tile(mOut[e, row, None], (VEC,), (src,))
                 if cutlass.const_expr(self.fp8):
                     amax = Float32(MIN_AMAX)
