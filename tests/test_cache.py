@@ -326,9 +326,10 @@ for spec in reachable_specs():
     get_kernel(spec, arch="sm_90a")
 for block_m in combine_block_ms(reachable_specs()):
     get_combine_kernel(block_m, DEFAULT_ROWS_PER_ITEM, arch="sm_90a")
-from flashgemm.moe.activation import get_kernel as get_activation
-for fp8 in (True, False):
-    get_activation(fp8, arch="sm_90a")
+from flashgemm.moe.activation import ActivationKind, get_kernel as get_activation
+for kind in ActivationKind:
+    for fp8 in (True, False):
+        get_activation(fp8, arch="sm_90a", kind=kind)
 import torch
 from flashgemm.ep.combine import DEFAULT_EP_ROWS_PER_ITEM, get_ep_combine, get_ep_complete, get_token_sum
 for block_m in combine_block_ms(reachable_specs()):

@@ -428,7 +428,8 @@ def test_precompile_default_builds_exactly_the_reachable_specs(monkeypatch):
     monkeypatch.setattr(cache, "store", record)
     from flashgemm.moe import activation
 
-    monkeypatch.setattr(activation, "build", lambda fp8, arch=None, keep_ptx=False: ("silu_mul", fp8))
+    monkeypatch.setattr(activation, "build", lambda fp8, arch=None, keep_ptx=False,
+                        kind=activation.ActivationKind.SILU: (kind.value, fp8))
     from flashgemm.ep import combine as ep_combine
 
     monkeypatch.setattr(ep_combine, "build_ep_combine", lambda m, rows, arch=None, **kw: ("ep_combine", m))
@@ -449,14 +450,15 @@ def test_precompile_default_builds_exactly_the_reachable_specs(monkeypatch):
 
     assert [k[-3:] for k in combine_keys] == [("combine", m, DEFAULT_ROWS_PER_ITEM) for m in block_ms]
     assert combine_keys == [build.combine_key("sm_90a", m, DEFAULT_ROWS_PER_ITEM) for m in block_ms]
-    activation_keys = [k for k, _ in stored if "silu_mul" in k]
-    assert activation_keys == [activation.activation_key("sm_90a", fp8) for fp8 in (True, False)]
+    activation_keys = [k for k, _ in stored if "silu_mul" in k or "gpt_oss" in k]
+    assert activation_keys == [activation.activation_key("sm_90a", fp8, kind)
+                               for kind in activation.ActivationKind for fp8 in (True, False)]
     # the expert-parallel kernels: a signalled combine per tile_m, the completion step, the device
     # dispatch (fp8 / bf16 rows x int32 / int64 ids) and 4 sums for top-8
     ep_keys = [k for k, _ in stored if any(str(part).startswith("ep_") for part in k)]
     assert ep_keys == [key for _, key, _ in ep_combine.ep_kernel_jobs("sm_90a", block_ms)]
     assert len(ep_keys) == len(block_ms) + 1 + 4 + 4
-    assert count == len(stored) == len(specs) + len(block_ms) + 2 + len(ep_keys)
+    assert count == len(stored) == len(specs) + len(block_ms) + 4 + len(ep_keys)
     assert {d for _, d in stored} == {"/nonexistent/never-written"}
     # an explicit list: those kernels, no combine
     stored.clear()

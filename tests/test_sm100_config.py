@@ -151,7 +151,7 @@ def test_signal_block_is_the_cta_tile():
 
 def test_precompile_dispatches_by_arch(monkeypatch):
     """flashgemm.precompile builds the target backend's kernels (sm100's for
-    an sm_10x target, sm90's otherwise), the MoE activations, and the
+    an sm_10x target, sm90's otherwise), the four MoE activations, and the
     expert-parallel kernels where the backend has the fused combines
     (nothing is built here: all are stubbed)."""
     import flashgemm
@@ -164,8 +164,8 @@ def test_precompile_dispatches_by_arch(monkeypatch):
     monkeypatch.setattr(backend.get("sm90"), "precompile", lambda *a, **kw: calls.append(("sm90", kw["arch"])) or 2)
     monkeypatch.setattr(ep_combine, "precompile", lambda *a, **kw: calls.append(("ep", kw["arch"])) or 5)
     monkeypatch.setattr(cache, "store", lambda key, make, cache_dir=None: calls.append(("store", key[-2])))
-    assert flashgemm.precompile(arch="sm_103a") == 1 + 2
-    assert flashgemm.precompile(arch="sm_90a") == 2 + 2 + 5
+    assert flashgemm.precompile(arch="sm_103a") == 1 + 4
+    assert flashgemm.precompile(arch="sm_90a") == 2 + 4 + 5
     assert flashgemm.precompile([], arch="sm_90a") == 2  # an explicit list: those kernels only
-    act = [("store", "silu_mul")] * 2
+    act = [("store", "silu_mul")] * 2 + [("store", "gpt_oss")] * 2
     assert calls == [("sm100", "sm_103a"), *act, ("sm90", "sm_90a"), *act, ("ep", "sm_90a"), ("sm90", "sm_90a")]
