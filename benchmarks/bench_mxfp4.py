@@ -241,20 +241,13 @@ def main():
     p.add_argument("--gpt-oss", action="store_true", help="time gpt-oss's expert layer (MXFP4 vs bf16 weights)")
     args = p.parse_args()
     cmd = "python " + " ".join(sys.argv)
+    device = torch.cuda.get_device_name()
     if args.gpt_oss:
         row = run_gpt_oss(0, args.rounds, args.reps)
-        print(gpt_oss_markdown(row, torch.cuda.get_device_name(), cmd))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "gpt_oss": row}, f, indent=1)
-        return
+        return _report(gpt_oss_markdown(row, device, cmd), {"device": device, "gpt_oss": row}, args.json)
     if args.layer:
         rows = [run_layer(spec, i, args.rounds, args.reps) for i, spec in enumerate(LAYERS)]
-        print(layer_markdown(rows, torch.cuda.get_device_name(), cmd))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "layers": rows}, f, indent=1)
-        return
+        return _report(layer_markdown(rows, device, cmd), {"device": device, "layers": rows}, args.json)
     cases = load_cases()["cases"]
     chosen = [(i, c) for i, c in enumerate(cases)
               if (c["name"] in args.cases if args.cases else c["regime"] == "decode")]
@@ -262,12 +255,15 @@ def main():
         p.error("no case selected")
     copy = copy_gbps()
     rows = [run_case(c, seed, args.rounds, args.reps) for seed, c in chosen]
-    device = torch.cuda.get_device_name()
-    print(to_markdown(rows, copy, device, "python " + " ".join(sys.argv)))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "copy_gbps": copy, "rows": rows}, f, indent=1)
+    _report(to_markdown(rows, copy, device, cmd), {"device": device, "copy_gbps": copy, "rows": rows}, args.json)
 
+
+def _report(markdown: str, payload: dict, json_path) -> None:
+    """The table to stdout, and the raw results to ``json_path`` if given."""
+    print(markdown)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(payload, f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -105,6 +105,11 @@ def test_gpt_oss_experts_checks_its_arguments():
         layer(x, mm, combine._replace(peers=torch.zeros(1, dtype=torch.int64)))
     with pytest.raises(ValueError, match=r"x must be \[E=2, max_m, H=64\]"):
         layer(x[..., :32], mm, combine)
+    # the combine is checked before gate_up launches (on the CPU, a launch would fail on the device instead)
+    with pytest.raises(ValueError, match=r"combine.weight must have shape \(E, max_m\) = \(2, 4\)"):
+        layer(x, mm, combine._replace(weight=torch.zeros(2, 3)))
+    with pytest.raises(ValueError, match=r"combine.output must be a contiguous \[T, N=64\]"):
+        layer(x, mm, combine._replace(output=torch.zeros(3, 32)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -208,31 +208,28 @@ def _run(kind: ActivationKind, gate_up, masked_m, bias, fp8: bool, out, out_scal
 def silu_mul_ref(gate_up: torch.Tensor, masked_m: torch.Tensor, *, fp8: bool = True):
     """Torch reference: float32 activation of the valid rows (rows >= m_e zero),
     then ``quant.quantize_fp8_per_token`` for fp8. Returns (h, scales) or h."""
-    from ..quant import quantize_fp8_per_token
-    from ..reference import clamp_masked_m
-
     inter = gate_up.shape[-1] // 2
     g, u = gate_up[..., :inter].float(), gate_up[..., inter:].float()
-    h = torch.nn.functional.silu(g) * u
-    rows = clamp_masked_m(masked_m, gate_up.shape[1]).to(h.device)
-    valid = torch.arange(gate_up.shape[1], device=h.device)[None, :] < rows[:, None]
-    h = h * valid[..., None]
-    if not fp8:
-        return h.to(torch.bfloat16)
-    return quantize_fp8_per_token(h)
+    return _h_as_kernel_writes(torch.nn.functional.silu(g) * u, masked_m, fp8)
 
 
 def gpt_oss_swiglu_ref(gate_up: torch.Tensor, bias: torch.Tensor, masked_m: torch.Tensor, *, fp8: bool = True):
     """Torch reference of ``gpt_oss_swiglu``: float32 ``clamped_swiglu`` of
     gate_up + bias on the valid rows (rows >= m_e zero), then
     ``quant.quantize_fp8_per_token`` for fp8. Returns (h, scales) or h."""
-    from ..quant import quantize_fp8_per_token
-    from ..reference import clamp_masked_m
     from .gpt_oss import clamped_swiglu
 
-    h = clamped_swiglu(gate_up.float() + bias.float()[:, None, :])
-    rows = clamp_masked_m(masked_m, gate_up.shape[1]).to(h.device)
-    valid = torch.arange(gate_up.shape[1], device=h.device)[None, :] < rows[:, None]
+    return _h_as_kernel_writes(clamped_swiglu(gate_up.float() + bias.float()[:, None, :]), masked_m, fp8)
+
+
+def _h_as_kernel_writes(h: torch.Tensor, masked_m: torch.Tensor, fp8: bool):
+    """float32 h [E, max_m, I] with its rows >= m_e zeroed, as the down
+    GEMM's input: (fp8, scales) 1x128 or bf16."""
+    from ..quant import quantize_fp8_per_token
+    from ..reference import clamp_masked_m
+
+    rows = clamp_masked_m(masked_m, h.shape[1]).to(h.device)
+    valid = torch.arange(h.shape[1], device=h.device)[None, :] < rows[:, None]
     h = h * valid[..., None]
     if not fp8:
         return h.to(torch.bfloat16)

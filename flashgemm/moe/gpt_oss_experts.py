@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from ..api import grouped_gemm_nt_masked
-from ..routing import Combine
+from ..routing import Combine, check_combine
 from .activation import gpt_oss_swiglu
 
 
@@ -75,14 +75,17 @@ class GptOssExperts:
         MXFP4 weights, else bf16); masked_m: int32 [E] on the GPU; combine:
         where each valid row goes (``combine.output`` fp32 or bf16 [T, H]).
         Returns ``(output, err)`` as ``grouped_gemm_nt_masked`` does."""
-        if not isinstance(combine, Combine):
-            raise TypeError(f"combine must be a flashgemm.Combine, got {type(combine).__name__}")
-        if combine.peers is not None:
+        if isinstance(combine, Combine) and combine.peers is not None:
             raise ValueError("combine.peers is not supported: the down biases are added into combine.output")
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != self.num_experts \
                 or x.shape[-1] != self.hidden:
             raise ValueError(f"x must be [E={self.num_experts}, max_m, H={self.hidden}], got "
                              f"{tuple(getattr(x, 'shape', ()))}")
+        if isinstance(combine, Combine) and combine.err is None:
+            combine = combine._replace(err=torch.zeros(1, dtype=torch.int32, device=x.device))
+        # the down GEMM checks the combine again; here it is checked before gate_up launches
+        check_combine(combine, None, None, self.num_experts, x.shape[1], self.hidden,
+                      {"x": x, "masked_m": masked_m, "x_scale": x_scale})
         gu = grouped_gemm_nt_masked(x, self.w13, None, masked_m, a_scale=x_scale, b_scale=self.w13_scale,
                                     expected_m=expected_m, num_sms=num_sms)
         h = gpt_oss_swiglu(gu, self.b13, masked_m, fp8=self.mxfp4, num_sms=num_sms)
