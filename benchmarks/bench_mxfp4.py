@@ -10,6 +10,9 @@ what each call must move: the weights and their scales of non-empty experts
 (MXFP4: K/2 + K/32 bytes per row; fp8: K + the 128x128 fp32 scales), plus the
 valid rows of A, their scales, and of the output.
 
+With ``--bf16`` the activations are bf16 (``Format.BF16_MXFP4``) and the
+baseline is the bf16 GEMM with the same weights in bf16 (2K bytes per row).
+
 With ``--gpt-oss`` it times gpt-oss's expert layer (``moe.GptOssExperts``:
 biases, the clamped SwiGLU, H = I = 2880, 16 local experts of 128, top-4,
 128 tokens per rank on EP8) with MXFP4 weights and fp8 activations against
@@ -25,6 +28,7 @@ float reference of the same dequantized weights.
 
     python benchmarks/bench_mxfp4.py                  # decode cases, markdown to stdout
     python benchmarks/bench_mxfp4.py --cases dsv3-ep8-gate_up --json out.json
+    python benchmarks/bench_mxfp4.py --bf16           # bf16 activations: MXFP4 vs bf16 weights
     python benchmarks/bench_mxfp4.py --layer
     python benchmarks/bench_mxfp4.py --gpt-oss
 """
@@ -54,45 +58,56 @@ def copy_gbps():
     return 2 * x.numel() / time_fn(lambda: y.copy_(x), warmup=3, reps=20) / 1e6
 
 
-def run_case(case, seed, rounds, reps):
+def run_case(case, seed, rounds, reps, bf16=False):
+    """One GEMM case: MXFP4 weights against fp8 weights on the same e4m3
+    activations, or with ``bf16`` against bf16 weights on bf16 activations."""
     e_count, max_m, n, k = case["E"], case["max_m"], case["N"], case["K"]
     rows = draw_masked_m(case, seed).tolist()
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(e_count, max_m, k, device="cuda", generator=g)
     w = torch.randn(e_count, n, k, device="cuda", generator=g) / k**0.5
-    a, a_scale = quantize_fp8_per_token(x)
-    b8, b8_scale = quantize_fp8_per_block(w)
     packed, scales = quantize_mxfp4(w)
     b4, exps = prepare_weights(packed, scales)
+    if bf16:
+        a, a_scale = x.bfloat16(), None
+        b_base, b_base_scale = w.bfloat16(), None
+        a_deq = a.float()
+    else:
+        a, a_scale = quantize_fp8_per_token(x)
+        b_base, b_base_scale = quantize_fp8_per_block(w)
+        a_deq = a.float() * a_scale.repeat_interleave(128, dim=2)[:, :, :k]
     masked_m = torch.tensor(rows, dtype=torch.int32, device="cuda")
     out4 = torch.empty(e_count, max_m, n, device="cuda", dtype=torch.bfloat16)
-    out8 = torch.empty_like(out4)
+    out_base = torch.empty_like(out4)
 
     def mx():
         flashgemm.grouped_gemm_nt_masked(a, b4, out4, masked_m, a_scale=a_scale, b_scale=exps,
                                          expected_m=case["expected_m"])
 
-    def fp8():
-        flashgemm.grouped_gemm_nt_masked(a, b8, out8, masked_m, a_scale=a_scale, b_scale=b8_scale,
+    def base():
+        flashgemm.grouped_gemm_nt_masked(a, b_base, out_base, masked_m, a_scale=a_scale, b_scale=b_base_scale,
                                          expected_m=case["expected_m"])
 
     mx()
     torch.cuda.synchronize()
     b_deq = dequantize_mxfp4(packed, scales)
-    a_deq = a.float() * a_scale.repeat_interleave(128, dim=2)[:, :, :k]
     worst = max(similarity(out4[e, :m].float(), a_deq[e, :m] @ b_deq[e].T) for e, m in enumerate(rows) if m)
-    if worst > 1e-3:
+    if worst > (1e-4 if bf16 else 1e-3):
         raise SystemExit(f"{case['name']}: MXFP4 result wrong (similarity diff {worst:.2e})")
-    t4, t8 = time_graph_rounds([mx, fp8], rounds=rounds, reps=reps)
+    t4, t_base = time_graph_rounds([mx, base], rounds=rounds, reps=reps)
     total = sum(rows)
     live = sum(1 for r in rows if r)
-    act = total * (k + 4 * -(-k // 128)) + 2 * total * n
-    bytes4 = live * n * (k // 2 + k // 32) + act
-    bytes8 = live * (n * k + 4 * -(-n // 128) * -(-k // 128)) + act
+    if bf16:
+        act = 2 * total * k + 2 * total * n
+        bytes_base = live * n * 2 * k + act
+    else:
+        act = total * (k + 4 * -(-k // 128)) + 2 * total * n
+        bytes_base = live * (n * k + 4 * -(-n // 128) * -(-k // 128)) + act
     return {
         "case": case["name"], "E": e_count, "N": n, "K": k, "valid_rows": total, "similarity_diff": worst,
-        "mxfp4_us": 1e3 * paired_median(lambda t: t, t4), "fp8_us": 1e3 * paired_median(lambda t: t, t8),
-        "speedup": paired_median(lambda p, q: q / p, t4, t8), "bytes_mxfp4": bytes4, "bytes_fp8": bytes8,
+        "activations": "bf16" if bf16 else "fp8", "mxfp4_us": 1e3 * paired_median(lambda t: t, t4),
+        "base_us": 1e3 * paired_median(lambda t: t, t_base), "speedup": paired_median(lambda p, q: q / p, t4, t_base),
+        "bytes_mxfp4": live * n * (k // 2 + k // 32) + act, "bytes_base": bytes_base,
     }
 
 
@@ -216,17 +231,18 @@ def layer_markdown(rows, device, cmd):
 
 
 def to_markdown(rows, copy, device, cmd):
+    act = rows[0]["activations"] if rows else "fp8"
     lines = [
-        f"MXFP4-weight GEMM vs the fp8-weight GEMM, {device}, {datetime.date.today()}, copy "
-        f"{copy:.0f} GB/s (read + write), `{cmd}`.", "",
-        "| case | E | N | K | rows | MXFP4 us | % copy BW | fp8 us | % copy BW | fp8 / MXFP4 | similarity diff |",
+        f"MXFP4-weight GEMM vs the {act}-weight GEMM, {act} activations in both, {device}, "
+        f"{datetime.date.today()}, copy {copy:.0f} GB/s (read + write), `{cmd}`.", "",
+        f"| case | E | N | K | rows | MXFP4 us | % copy BW | {act} us | % copy BW | {act} / MXFP4 | similarity diff |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         bw4 = r["bytes_mxfp4"] / r["mxfp4_us"] / 1e3 / copy * 100
-        bw8 = r["bytes_fp8"] / r["fp8_us"] / 1e3 / copy * 100
+        bw_base = r["bytes_base"] / r["base_us"] / 1e3 / copy * 100
         lines.append(f"| {r['case']} | {r['E']} | {r['N']} | {r['K']} | {r['valid_rows']} | {r['mxfp4_us']:.1f} | "
-                     f"{bw4:.0f}% | {r['fp8_us']:.1f} | {bw8:.0f}% | {r['speedup']:.2f}x | "
+                     f"{bw4:.0f}% | {r['base_us']:.1f} | {bw_base:.0f}% | {r['speedup']:.2f}x | "
                      f"{r['similarity_diff']:.1e} |")
     return "\n".join(lines)
 
@@ -239,6 +255,8 @@ def main():
     p.add_argument("--json")
     p.add_argument("--layer", action="store_true", help="time the whole expert layer (MXFP4 vs fp8 weights)")
     p.add_argument("--gpt-oss", action="store_true", help="time gpt-oss's expert layer (MXFP4 vs bf16 weights)")
+    p.add_argument("--bf16", action="store_true",
+                   help="the GEMM with bf16 activations: MXFP4 vs bf16 weights (default: fp8 activations)")
     args = p.parse_args()
     cmd = "python " + " ".join(sys.argv)
     device = torch.cuda.get_device_name()
@@ -254,7 +272,7 @@ def main():
     if not chosen:
         p.error("no case selected")
     copy = copy_gbps()
-    rows = [run_case(c, seed, args.rounds, args.reps) for seed, c in chosen]
+    rows = [run_case(c, seed, args.rounds, args.reps, args.bf16) for seed, c in chosen]
     _report(to_markdown(rows, copy, device, cmd), {"device": device, "copy_gbps": copy, "rows": rows}, args.json)
 
 

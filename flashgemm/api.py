@@ -16,7 +16,6 @@ from .blockscaled_args import (
     check_alpha, format_of, infer_format, validate_blockscaled_args, validate_mxfp4_weight_args,
 )
 from .config import GemmConfig
-from .formats import Format
 from .jit.arch import default_arch, device_facts
 from .plan import PlanCache, signature
 from .routing import COMBINE_FIELDS, ROUTING_SLOTS, Combine, check_combine
@@ -313,8 +312,8 @@ def _make_plan(call: CallArgs):
     fmt = infer_format(a, a_scale, b)
     if fmt.block_scaled:
         sizes = validate_blockscaled_args(fmt, a, b, out, masked_m, a_scale, b_scale, alpha)
-    elif fmt is Format.FP8_MXFP4:
-        sizes = validate_mxfp4_weight_args(a, b, out, masked_m, a_scale, b_scale)
+    elif fmt.converts_weights:
+        sizes = validate_mxfp4_weight_args(a, b, out, masked_m, a_scale, b_scale, fmt)
         check_alpha(fmt, alpha, sizes[0])
     else:
         sizes = validate_args(a, b, out, masked_m, a_scale, b_scale)

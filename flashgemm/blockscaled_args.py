@@ -16,6 +16,7 @@ float8_e4m3fn                          float32 (1x128 / 128x128)     FP8_BLOCK12
 float8_e4m3fn                          float8_e8m0fnu or uint8       MXFP8
 uint8 or float4_e2m1fn_x2 (packed)     float8_e4m3fn                 NVFP4
 a float8_e4m3fn, b int8 (prepared)     float32 / E8M0, N contiguous  FP8_MXFP4
+a bfloat16, b int8 (prepared)          None / E8M0, N contiguous     BF16_MXFP4
 =====================================  ============================  ============
 
 uint8 is accepted for E8M0 scales because ``blockscale.quantize_mxfp8``
@@ -47,10 +48,13 @@ def infer_format(a, a_scale, b=None) -> Format:
     dtype = getattr(a, "dtype", None)
     if dtype in _FP4_BYTES:
         return Format.NVFP4
+    mxfp4_b = getattr(b, "dtype", None) in _FP4_BYTES + (torch.int8,)
+    if dtype == torch.bfloat16 and mxfp4_b:
+        return Format.BF16_MXFP4  # (as below, raw packed b is refused by name)
     if dtype != FP8:
         return Format.BF16
     sdtype = getattr(a_scale, "dtype", None)
-    if getattr(b, "dtype", None) in _FP4_BYTES + (torch.int8,) and sdtype in (None, torch.float32):
+    if mxfp4_b and sdtype in (None, torch.float32):
         return Format.FP8_MXFP4  # (raw packed b is refused by its checks, naming prepare_weights)
     if sdtype is None or sdtype == torch.float32:
         return Format.FP8_BLOCK128  # (a missing scale is reported by its checks)
@@ -148,11 +152,14 @@ def validate_blockscaled_args(
     return e_count, max_m, n, k
 
 
-def validate_mxfp4_weight_args(a, b, out, masked_m, a_scale, b_scale) -> tuple[int, int, int, int]:
-    """Every metadata check of an FP8_MXFP4 call: a and a_scale as for
-    1x128 fp8; b int8 [E, N, K/2] and b_scale [E, N, K/32] E8M0 bytes stored
-    N contiguous, as ``mxfp4.prepare_weights`` makes them. Returns (E, max_m, N, K)."""
-    check_tensor("a", a, 3, (FP8,))
+def validate_mxfp4_weight_args(a, b, out, masked_m, a_scale, b_scale,
+                               fmt: Format = Format.FP8_MXFP4) -> tuple[int, int, int, int]:
+    """Every metadata check of an FP8_MXFP4 / BF16_MXFP4 call: a and a_scale
+    as for 1x128 fp8, or bf16 a and no a_scale; b int8 [E, N, K/2] and
+    b_scale [E, N, K/32] E8M0 bytes stored N contiguous, as
+    ``mxfp4.prepare_weights`` makes them. Returns (E, max_m, N, K)."""
+    fp8 = fmt is Format.FP8_MXFP4
+    check_tensor("a", a, 3, (FP8,) if fp8 else (torch.bfloat16,))
     if isinstance(b, torch.Tensor) and b.dtype in _FP4_BYTES:
         raise TypeError(f"MXFP4 weights ({b.dtype}) go to the Hopper kernel in its own layout: pass "
                         "b, b_scale = flashgemm.mxfp4.prepare_weights(packed, scales) (int8 b), made once per weight")
@@ -170,11 +177,15 @@ def validate_mxfp4_weight_args(a, b, out, masked_m, a_scale, b_scale) -> tuple[i
         raise ValueError(f"N (b.shape[1]) must be a positive multiple of 16 for MXFP4 weights (16-byte rows "
                          f"of the N-contiguous exponents), got {n}")
     check_masked_m(masked_m, e_count)
-    if a_scale is None:
+    if not fp8:
+        if a_scale is not None:
+            raise ValueError("bfloat16 a takes no a_scale (the MXFP4 weights carry their own scales); pass None")
+    elif a_scale is None:
         raise ValueError("float8_e4m3fn a needs a_scale: float32 [E, max_m, ceil(K/128)]; got None")
-    check_tensor("a_scale", a_scale, 3, (torch.float32,))
-    check_a_scale_shape(a_scale, e_count, max_m, k)
-    check_a_scale_strides(a_scale)
+    else:
+        check_tensor("a_scale", a_scale, 3, (torch.float32,))
+        check_a_scale_shape(a_scale, e_count, max_m, k)
+        check_a_scale_strides(a_scale)
     if b_scale is None:
         raise ValueError("MXFP4 weights need b_scale: E8M0 exponents [E, N, K/32] stored N contiguous "
                          "(flashgemm.mxfp4.prepare_weights); got None")

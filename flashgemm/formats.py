@@ -15,6 +15,9 @@ are shaped and typed, and what the epilogue multiplies in:
   byte along K, one E8M0 exponent per 32 of K, in the layout
   ``mxfp4.prepare_weights`` makes (int8 bytes; exponents N contiguous).
   Hopper converts b to e4m3 in the kernel.
+* ``BF16_MXFP4``: 4-bit weights with bf16 activations. ``a`` bf16, no
+  scales; ``b`` as in FP8_MXFP4. Hopper converts b to bf16 in the kernel,
+  each group's exponent folded in exactly.
 
 MXFP8 and NVFP4 scales use the 128x4-atom layout of ``blockscale``.
 """
@@ -31,22 +34,29 @@ class Format(enum.Enum):
     MXFP8 = "mxfp8"
     NVFP4 = "nvfp4"
     FP8_MXFP4 = "fp8_mxfp4"
+    BF16_MXFP4 = "bf16_mxfp4"
 
     @property
     def sf_vec_size(self) -> Optional[int]:
         """Elements of K that share one scale factor (None without scales)."""
         return {Format.BF16: None, Format.FP8_BLOCK128: 128, Format.MXFP8: 32, Format.NVFP4: 16,
-                Format.FP8_MXFP4: 32}[self]
+                Format.FP8_MXFP4: 32, Format.BF16_MXFP4: 32}[self]
 
     @property
     def element_bits(self) -> int:
         """Bits per element of ``a`` (the MMA's operand width)."""
-        return {Format.BF16: 16, Format.FP8_BLOCK128: 8, Format.MXFP8: 8, Format.NVFP4: 4, Format.FP8_MXFP4: 8}[self]
+        return {Format.BF16: 16, Format.FP8_BLOCK128: 8, Format.MXFP8: 8, Format.NVFP4: 4, Format.FP8_MXFP4: 8,
+                Format.BF16_MXFP4: 16}[self]
 
     @property
     def weight_bits(self) -> int:
         """Bits per element of ``b`` as stored."""
-        return 4 if self is Format.FP8_MXFP4 else self.element_bits
+        return 4 if self.converts_weights else self.element_bits
+
+    @property
+    def converts_weights(self) -> bool:
+        """MXFP4 weights that Hopper converts to ``a``'s type inside the kernel."""
+        return self in (Format.FP8_MXFP4, Format.BF16_MXFP4)
 
     @property
     def elem_bytes(self):
@@ -73,4 +83,5 @@ class Format(enum.Enum):
     @property
     def k_align(self) -> int:
         """K must be a multiple of this (a whole scale block, and 16-byte TMA rows)."""
-        return {Format.BF16: 8, Format.FP8_BLOCK128: 128, Format.MXFP8: 32, Format.NVFP4: 32, Format.FP8_MXFP4: 32}[self]
+        return {Format.BF16: 8, Format.FP8_BLOCK128: 128, Format.MXFP8: 32, Format.NVFP4: 32, Format.FP8_MXFP4: 32,
+                Format.BF16_MXFP4: 32}[self]

@@ -12,13 +12,14 @@ E8M0 exponent per 32 of K.
 * ``from_checkpoint(blocks, scales)``: gpt-oss's ``*_blocks`` [..., N, K/32,
   16] and ``*_scales`` [..., N, K/32] as (packed, scales) (a view, no copy).
 * ``prepare_weights(packed, scales)``: the weights as the Hopper kernel
-  takes them (``Format.FP8_MXFP4``), made once at load time: int8 [E, N,
+  takes them (``Format.FP8_MXFP4`` and ``Format.BF16_MXFP4``), made once at load time: int8 [E, N,
   K/2] bytes in the kernel's nibble layout (``device.e2m1``: each sign bit
   where the conversion ORs it in) and the exponents stored N contiguous (one
   TMA box brings a tile's). ``unprepare_weights`` undoes the byte layout.
 * ``dequantize_as_kernel(packed, scales, tile_n)``: what that kernel
   multiplies: ``dequantize_mxfp4`` with the groups more than 14 binades
-  below their tile's largest exponent flushed to zero.
+  below their tile's largest exponent flushed to zero (with bf16
+  activations, ``tile_n`` None: the groups below 2**-125 flushed).
 * ``to_fp8_blockwise(packed, scales)``: the same values as e4m3 with one
   fp32 scale per 128x128 block (DeepSeek's weight recipe, what the fp8
   kernels take), exactly: within a block, a 32-value group with exponent s
@@ -31,6 +32,8 @@ E8M0 exponent per 32 of K.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .blockscale import E8M0_BIAS, E8M0_NAN, e2m1_to_float, e8m0_to_float, float_to_e2m1, pack_e2m1, unpack_e2m1
@@ -42,6 +45,12 @@ FP8_BLOCK = 128  # rows and columns of one fp32 weight scale (DeepSeek's recipe)
 # of exponents one 128x128 block may hold for an exact conversion
 FOLD_SPAN = 14
 _FOLD_TOP = 6
+# the largest E8M0 byte the kernels take: 6 * 2**(252 - 127) is still a finite
+# bf16 / fp32 value (no finite weight quantizes above it; 255 is NaN)
+MAX_E8M0 = 252
+# with bf16 activations, groups whose exponent byte is below this are flushed
+# (their values are below 2**-124: not normal bf16 numbers at every code)
+BF16_MIN_E8M0 = 2
 
 
 def _check_k(k: int, name: str) -> None:
@@ -113,6 +122,11 @@ def prepare_weights(packed: torch.Tensor, scales: torch.Tensor):
     codes, s = _check_pair(packed, scales)
     if codes.dim() != 3:
         raise ValueError(f"packed must be [E, N, K/2], got {tuple(packed.shape)}")
+    over = s > MAX_E8M0
+    if s.numel() and bool(over.any()):  # (read once, at load time)
+        where = tuple(int(i) for i in over.nonzero()[0])
+        raise ValueError(f"scales holds E8M0 byte {int(s[where])} at (expert, row, group) {where}: the kernels "
+                         f"take at most {MAX_E8M0} (255 is NaN; above {MAX_E8M0} the values leave the bf16 range)")
     return kernel_bytes(codes), n_contiguous(s)
 
 
@@ -146,14 +160,19 @@ def unprepare_weights(b: torch.Tensor, b_scale: torch.Tensor):
     return pack_e2m1(codes), b_scale.view(torch.uint8).contiguous()
 
 
-def dequantize_as_kernel(packed: torch.Tensor, scales: torch.Tensor, tile_n: int) -> torch.Tensor:
-    """float32 [E, N, K]: the weights the FP8_MXFP4 kernel multiplies. Per
-    tile of ``tile_n`` rows and 128 columns it folds each group's exponent
-    into e4m3 relative to the tile's largest, 2**(s - s_max + 6); a group
-    more than 14 below is flushed to zero (its values are below 2**-12 of
-    the tile's largest magnitude)."""
+def dequantize_as_kernel(packed: torch.Tensor, scales: torch.Tensor, tile_n: Optional[int]) -> torch.Tensor:
+    """float32 [E, N, K]: the weights the MXFP4 kernels multiply. fp8
+    activations (``Format.FP8_MXFP4``): per tile of ``tile_n`` rows and 128
+    columns each group's exponent folds into e4m3 relative to the tile's
+    largest, 2**(s - s_max + 6); a group more than 14 below is flushed to
+    zero (its values are below 2**-12 of the tile's largest magnitude). bf16
+    activations (``Format.BF16_MXFP4``, ``tile_n`` None): every value as it
+    is, but groups with exponent bytes below ``BF16_MIN_E8M0``, which are
+    flushed."""
     values = dequantize_mxfp4(packed, scales)
     s = scales.view(torch.uint8).to(torch.int64)
+    if tile_n is None:
+        return values * (s >= BF16_MIN_E8M0).repeat_interleave(MX_BLOCK, dim=-1)
     e_count, n, groups = s.shape
     per_tile = FP8_BLOCK // MX_BLOCK
     nt, kt = -(-n // tile_n), -(-groups // per_tile)

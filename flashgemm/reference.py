@@ -30,7 +30,8 @@ def grouped_gemm_nt_masked_ref(
     float8_e4m3fn operands need ``a_scale`` (1x128) and ``b_scale`` (128x128),
     or for MXFP4 weights (int8 ``b`` and its E8M0 ``b_scale`` from
     ``mxfp4.prepare_weights``) the exponents: the product is taken of the
-    dequantized operands.
+    dequantized operands. bf16 ``a`` takes MXFP4 weights too (``b_scale``
+    only).
 
     Returns a tensor of dtype ``acc_dtype`` (round it to compare with a bf16 result).
     """
@@ -44,8 +45,12 @@ def grouped_gemm_nt_masked_ref(
             b = dequantize_mxfp4(*unprepare_weights(b, b_scale))
         else:
             b = dequantize_fp8_per_block(b, b_scale)
+    elif b.dtype == torch.int8 and a_scale is None and b_scale is not None:
+        from .mxfp4 import dequantize_mxfp4, unprepare_weights
+
+        b = dequantize_mxfp4(*unprepare_weights(b, b_scale))
     elif a_scale is not None or b_scale is not None:
-        raise ValueError(f"scales are only for float8_e4m3fn operands, got {a.dtype}")
+        raise ValueError(f"scales are only for float8_e4m3fn operands or MXFP4 weights, got {a.dtype}")
     e_count, max_m, _ = a.shape
     n = b.shape[1]
     if out is not None:

@@ -245,7 +245,7 @@ def dim_multiples(fmt: Format) -> tuple[int, int]:
     ``blockscaled_args``): K whole scale blocks, N whole 16-byte bf16 rows."""
     if fmt is Format.FP8_BLOCK128:
         return 16, 16
-    if fmt is Format.FP8_MXFP4:  # (the exponents' N-contiguous rows are 16-byte TMA lines)
+    if fmt.converts_weights:  # (the exponents' N-contiguous rows are 16-byte TMA lines)
         return 16, 32
     if fmt.block_scaled:
         return 8, fmt.k_align

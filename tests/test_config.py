@@ -149,7 +149,10 @@ def test_short_name_distinguishes_configs():
     # MXFP4 weights: the fp8 picks adapted (some 64-wide ones become the same 128-wide tile)
     mxfp4 = reachable_specs(Format.FP8_MXFP4)
     assert len(mxfp4) == 78
-    assert len({s.name() for s in specs}) == len(specs) == 172 + len(mxfp4)
+    # with bf16 activations: the bf16 picks adapted likewise
+    bf16_mxfp4 = reachable_specs(Format.BF16_MXFP4)
+    assert len(bf16_mxfp4) == 56
+    assert len({s.name() for s in specs}) == len(specs) == 172 + len(mxfp4) + len(bf16_mxfp4)
     base = GemmConfig().short_name()
     for changes in (
         dict(l2_hints=True), dict(order=TileOrder.N_MAJOR), dict(order=TileOrder.DYNAMIC),
@@ -401,7 +404,7 @@ def test_heuristic_sweep_yields_exactly_the_reachable_specs():
     extra = sorted(s.name() for s in got - want)
     assert not missing and not extra, (missing, extra)
     assert set(reachable_specs(BF16)) | set(reachable_specs(FP8)) | set(reachable_specs(Format.FP8_MXFP4)) \
-        == set(reachable_specs())
+        | set(reachable_specs(Format.BF16_MXFP4)) == set(reachable_specs())
     assert all(s.fmt is BF16 for s in reachable_specs(BF16))
     assert all(s.fmt is FP8 for s in reachable_specs(FP8))
 

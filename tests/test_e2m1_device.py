@@ -1,7 +1,7 @@
-"""The device conversion of e2m1 codes to e4m3 bytes (flashgemm.device.e2m1):
-its tables and selectors checked exhaustively against a model of PTX prmt on
-the CPU, its build checked in PTX for sm_90a, and (on a Hopper GPU) its
-results against torch's e4m3 of the same values."""
+"""The device conversion of e2m1 codes to e4m3 bytes and to bf16
+(flashgemm.device.e2m1): its tables and selectors checked exhaustively
+against a model of PTX prmt on the CPU, its build checked in PTX for sm_90a,
+and (on a Hopper GPU) its results against the model."""
 
 import pytest
 import torch
@@ -44,6 +44,29 @@ def _model(word: int, d: int = 0) -> tuple:
     return lo, hi
 
 
+def _bf16_table_model(e: int) -> tuple:
+    """``e2m1.bf16_table``'s arithmetic on Python ints (32-bit words)."""
+    if e < e2m1.BF16_MIN_E8M0:
+        return 0, 0, 0, 0
+    step = (e - 127) << 7
+    pairs = [(e2m1.BF16_PAIRS[0] + (step << 16)) & 0xFFFFFFFF]
+    pairs += [(p + step * 0x10001) & 0xFFFFFFFF for p in e2m1.BF16_PAIRS[1:]]
+    return (_prmt(pairs[0], pairs[1], 0x7531), _prmt(pairs[2], pairs[3], 0x7531),
+            _prmt(pairs[0], pairs[1], 0x6420), _prmt(pairs[2], pairs[3], 0x6420))
+
+
+def _bf16_model(word: int, e: int) -> list:
+    """``e2m1.e2m1x8_to_bf16x8``'s arithmetic on Python ints (32-bit words)."""
+    table = _bf16_table_model(e)
+    mags = word & 0x77777777
+    out = []
+    for sel, sign in ((mags, word & e2m1.SIGN), (mags >> 16, (word << 4) & e2m1.SIGN)):
+        high = _prmt(table[0], table[1], sel) | sign
+        low = _prmt(table[2], table[3], sel)
+        out += [_prmt(low, high, 0x5140), _prmt(low, high, 0x7362)]
+    return out
+
+
 def _words(codes: torch.Tensor) -> list:
     """Codes [..., 8] as the kernel's 32-bit words (``mxfp4.kernel_bytes``)."""
     b = kernel_bytes(codes).view(torch.uint8).to(torch.int64)
@@ -71,6 +94,20 @@ def test_scaled_tables_are_exact_in_range_and_flush_below(d):
     got = [_model(w, d) for w in _words(codes)]
     assert [g[0] for g in got] == want_lo
     assert [g[1] for g in got] == want_hi
+
+
+@pytest.mark.parametrize("e", [0, 1, 2, 3, 100, 126, 127, 128, 200, 251, 252])
+def test_bf16_tables_are_exact_in_range_and_flush_below(e):
+    # every four codes in each half of a word, against torch's bf16 of value * 2**(e - 127)
+    codes = _all_codes()
+    values = e2m1_to_float(codes).double() * 2.0 ** (e - 127)
+    if e < e2m1.BF16_MIN_E8M0:
+        values = values * 0.0  # flushed (keeps the sign of zero)
+    bf = values.to(torch.bfloat16)
+    assert torch.equal(bf.double(), values)  # exact in bf16
+    bits = bf.view(torch.int16).to(torch.int64) & 0xFFFF
+    want = (bits[:, 0::2] | bits[:, 1::2] << 16).tolist()
+    assert [_bf16_model(w, e) for w in _words(codes)] == want
 
 
 def test_kernel_layout_round_trips():
@@ -123,6 +160,46 @@ def test_two_prmt_per_eight_values(built):
     assert ptx.count("prmt.b32") == 2  # one word of 8 values: one table lookup per half
 
 
+def _bf16_kernel_ptx_and_fn():
+    import cutlass
+    import cutlass.cute as cute
+
+    @cute.kernel
+    def convert(mIn: cute.Tensor, mOut: cute.Tensor, e: cutlass.Int32):
+        i = cute.arch.block_idx()[0] * 128 + cute.arch.thread_idx()[0]
+        if i < cute.size(mIn):
+            words = e2m1.e2m1x8_to_bf16x8(cutlass.Int32(mIn[i]), e2m1.bf16_table(e))
+            for j in cutlass.range_constexpr(4):
+                mOut[4 * i + j] = words[j]
+
+    @cute.jit
+    def launch(mIn: cute.Tensor, mOut: cute.Tensor, e: cutlass.Int32, blocks: cutlass.Int32, stream):
+        convert(mIn, mOut, e).launch(grid=[blocks, 1, 1], block=[128, 1, 1], stream=stream)
+
+    from flashgemm.jit.options import compile_options
+
+    fake = cute.runtime.make_fake_compact_tensor
+    with compile_options(True) as options:
+        fn = cute.compile(launch, fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4),
+                          fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4), cutlass.Int32(0), cutlass.Int32(1),
+                          cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=options)
+    return fn.__ptx__, fn
+
+
+@pytest.fixture(scope="module")
+def built_bf16():
+    from flashgemm.jit.arch import ensure_arch_env
+
+    ensure_arch_env("sm_90a")
+    return _bf16_kernel_ptx_and_fn()
+
+
+def test_bf16_eight_prmt_per_eight_values_and_four_per_table(built_bf16):
+    ptx, _ = built_bf16
+    # two lookups and two interleaves per half word, four for the table
+    assert ptx.count("prmt.b32") == 8 + 4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                     reason="needs a Hopper GPU")
 @pytest.mark.parametrize("d", [-9, -8, -7, -6, -5, 0, 6])
@@ -136,4 +213,19 @@ def test_on_the_gpu_as_the_model(built, d, seed):
     fn(src, out, d, (src.numel() + 127) // 128)
     torch.cuda.synchronize()
     want = [v for w in words.tolist() for v in _model(w & 0xFFFFFFFF, d)]
+    assert out.cpu().to(torch.int64).bitwise_and(0xFFFFFFFF).tolist() == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("e", [0, 1, 2, 119, 127, 140, 252])
+def test_bf16_on_the_gpu_as_the_model(built_bf16, e, seed):
+    _, fn = built_bf16
+    words = torch.randint(-(1 << 31), 1 << 31, (4096,), dtype=torch.int64)
+    words[:256] = torch.arange(256) * 0x01010101 - (torch.arange(256) >= 128).long() * (1 << 32)  # every byte
+    src = words.to(torch.int32).cuda()
+    out = torch.full((4 * src.numel(),), -1, dtype=torch.int32, device="cuda")
+    fn(src, out, e, (src.numel() + 127) // 128)
+    torch.cuda.synchronize()
+    want = [v for w in words.tolist() for v in _bf16_model(w & 0xFFFFFFFF, e)]
     assert out.cpu().to(torch.int64).bitwise_and(0xFFFFFFFF).tolist() == want

@@ -1,6 +1,7 @@
-"""GPU correctness of the MXFP4-weight GEMM (``Format.FP8_MXFP4``: e4m3
-activations with 1x128 scales, packed e2m1 weights with E8M0 exponents per
-32; skipped without an sm_90 GPU).
+"""GPU correctness of the MXFP4-weight GEMMs (packed e2m1 weights with E8M0
+exponents per 32; ``Format.FP8_MXFP4``: e4m3 activations with 1x128
+scales; ``Format.BF16_MXFP4``: bf16 activations; skipped without an sm_90
+GPU).
 
 The reference is the float64 product of the *dequantized* operands (the
 kernel multiplies exactly those values: the weights are exact in e4m3 once
@@ -13,6 +14,12 @@ the valid rows:
   wgmma's own accumulation, which keeps about 13 fraction bits within a
   128-deep k-block before the fp32 promotion (DeepGEMM's measurement;
   2**-11 leaves a factor 4 for the partial sums' alignment).
+
+With bf16 activations the products are exact (8-bit mantissas; the weights
+are exact in bf16) and summed in fp32: similarity < 1e-4 (the bar for bf16
+activations) and |out - ref| <= 2**-8 |ref| + (K + 2) 2**-23 (|a| @ |b|.T),
+one fp32 ulp of the running magnitude per addition (truncated, not rounded)
+plus the output's bf16 rounding.
 
 Outputs and guard regions are poisoned first: rows >= m_e and memory
 around ``out`` must keep the poison.
@@ -60,10 +67,15 @@ def _dequant_a(a, a_scale):
 
 
 def _check(a, a_scale, b_deq, masked_m, out, buf):
+    _check_deq(_dequant_a(a, a_scale), b_deq, masked_m, out, buf, 1e-3, 2.0**-11)
+
+
+def _check_deq(a_deq, b_deq, masked_m, out, buf, sim_bar, acc_rel):
+    """The module docstring's checks: guards and rows >= m_e poisoned, then per
+    expert similarity < sim_bar and |out - ref| <= 2**-8 |ref| + acc_rel (|a| @ |b|.T)."""
     torch.cuda.synchronize()
     assert (buf[:GUARD] == POISON).all(), "write before out"
     assert (buf[-GUARD:] == POISON).all(), "write after out"
-    a_deq = _dequant_a(a, a_scale)
     max_m = out.shape[1]
     for e, m in enumerate(masked_m.clamp(0, max_m).tolist()):
         assert (out[e, m:] == POISON).all(), f"expert {e}: rows >= m_e={m} were written"
@@ -73,8 +85,8 @@ def _check(a, a_scale, b_deq, masked_m, out, buf):
         mag = a_deq[e, :m].abs() @ b_deq[e].double().abs().T
         got = out[e, :m].double()
         assert not got.isnan().any(), f"expert {e}: NaN"
-        assert similarity(got.float(), ref.float()) < 1e-3, f"expert {e}: similarity"
-        bound = 2.0**-8 * ref.abs() + 2.0**-11 * mag
+        assert similarity(got.float(), ref.float()) < sim_bar, f"expert {e}: similarity"
+        bound = 2.0**-8 * ref.abs() + acc_rel * mag
         excess = ((got - ref).abs() - bound).max().item()
         assert excess <= 0, f"expert {e} (m_e={m}): error over the bound by {excess:.3e}"
 
@@ -148,6 +160,87 @@ def test_e8m0_dtype_and_graph_replay(seed):
     masked_m.copy_(torch.tensor([3, 32, 17, 0], dtype=torch.int32))
     graph.replay()
     _check(a, a_scale, b_deq, masked_m, out, buf)
+
+
+def _bf16_case(e_count, max_m, n, k, masked, spread=4.0):
+    """bf16 activations (rows of different magnitudes) and MXFP4 weights as in
+    ``_case``; returns (x, b, b_scale, the kernel's weights, masked_m)."""
+    dev = "cuda"
+    x = torch.randn(e_count, max_m, k, device=dev) * torch.rand(e_count, max_m, 1, device=dev).mul(spread).exp2()
+    w = torch.randn(e_count, n, k, device=dev) / k**0.5
+    w = w * torch.rand(e_count, n, k // 32, 1, device=dev).mul(spread).exp2().repeat_interleave(32, -2).flatten(-2)
+    packed, scales = quantize_mxfp4(w)
+    b, b_scale = prepare_weights(packed, scales)
+    masked_m = torch.tensor(masked, dtype=torch.int32, device=dev)
+    return x.bfloat16(), b, b_scale, dequantize_as_kernel(packed, scales, None), masked_m
+
+
+def _check_bf16(x, b_deq, masked_m, out, buf):
+    _check_deq(x.double(), b_deq, masked_m, out, buf, 1e-4, (x.shape[2] + 2) * 2.0**-23)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}-M{c[1]}-N{c[2]}-K{c[3]}")
+def test_bf16_activations_heuristic_pick(case, seed):
+    e_count, max_m, n, k, masked = case
+    x, b, b_scale, b_deq, masked_m = _bf16_case(e_count, max_m, n, k, masked)
+    buf, out = _poisoned_out(e_count, max_m, n)
+    flashgemm.grouped_gemm_nt_masked(x, b, out, masked_m, b_scale=b_scale,
+                                     expected_m=max(1, sum(max(0, min(m, max_m)) for m in masked) // e_count))
+    _check_bf16(x, b_deq, masked_m, out, buf)
+
+
+BF16_CONFIGS = [
+    GemmConfig(tile_m=64, tile_n=128, cluster_n=2, order=TileOrder.DYNAMIC, a_chunk_rows=32, l2_hints=True),
+    GemmConfig(tile_m=64, tile_n=64, cluster_n=1),
+    GemmConfig(tile_m=128, tile_n=128, cluster_n=2, tail=Tail.BALANCE),
+    GemmConfig(tile_m=128, tile_n=192, cluster_n=2, tail=Tail.SPLIT),
+    GemmConfig(tile_m=64, tile_n=192, cluster_n=1, order=TileOrder.N_MAJOR),
+]
+
+
+@pytest.mark.parametrize("config", BF16_CONFIGS, ids=lambda c: c.short_name())
+def test_bf16_activations_configs(config, seed):
+    e_count, max_m, n, k = 6, 200, 2880, 2880
+    x, b, b_scale, b_deq, masked_m = _bf16_case(e_count, max_m, n, k, [200, 0, 7, 150, 64, -1])
+    buf, out = _poisoned_out(e_count, max_m, n)
+    flashgemm.grouped_gemm_nt_masked(x, b, out, masked_m, b_scale=b_scale, config=config)
+    _check_bf16(x, b_deq, masked_m, out, buf)
+
+
+def test_bf16_activations_tiny_groups_flush_and_graph_replay(seed):
+    # groups with exponent bytes 0 and 1 are flushed (dequantize_as_kernel), the
+    # extremes kept exact: 2 (the smallest normal table) and 252 beside tiny x
+    e_count, max_m, n, k = 3, 48, 256, 512
+    x, b, b_scale, _, masked_m = _bf16_case(e_count, max_m, n, k, [48, 5, 30], spread=2.0)
+    b_scale = b_scale.clone()
+    b_scale[:, 3, 0], b_scale[:, 4, 1], b_scale[:, 6, 2] = 0, 1, 2
+    packed, scales = unprepare_weights(b, b_scale)
+    b_deq = dequantize_as_kernel(packed, scales, None)
+    assert (b_deq[:, 3, :32] == 0).all() and (b_deq[:, 4, 32:64] == 0).all()
+    assert (b_deq[:, 6, 64:96] != 0).any()
+    buf, out = _poisoned_out(e_count, max_m, n)
+    s8 = b_scale.view(torch.float8_e8m0fnu)
+    flashgemm.grouped_gemm_nt_masked(x, b, out, masked_m, b_scale=s8)  # warm (compile)
+    buf.fill_(POISON)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flashgemm.grouped_gemm_nt_masked(x, b, out, masked_m, b_scale=s8)
+    masked_m.copy_(torch.tensor([7, 48, 0], dtype=torch.int32))
+    graph.replay()
+    _check_bf16(x, b_deq, masked_m, out, buf)
+
+
+def test_bf16_activations_largest_scale_is_exact(seed):
+    # E8M0 252 (up to 6 * 2**125, bf16's largest binades) against activations scaled down to match
+    e_count, max_m, n, k = 1, 16, 64, 64
+    x, b, b_scale, _, masked_m = _bf16_case(e_count, max_m, n, k, [16], spread=0.0)
+    b_scale = torch.full_like(b_scale, 252)
+    x = x.float()
+    x = (x.sign() * x.abs().clamp(min=2.0**-8) * 2.0**-110).bfloat16()  # normal bf16, products near 1
+    packed, scales = unprepare_weights(b, b_scale)
+    buf, out = _poisoned_out(e_count, max_m, n)
+    flashgemm.grouped_gemm_nt_masked(x, b, out, masked_m, b_scale=b_scale)
+    _check_bf16(x, dequantize_as_kernel(packed, scales, None), masked_m, out, buf)
 
 
 def test_layer_with_mxfp4_weights_fused_swiglu_and_combine(seed):

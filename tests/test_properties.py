@@ -54,6 +54,7 @@ _SM90_CONFIGS = {
     Format.BF16: tuple(dict.fromkeys(s.config for s in reachable_specs(Format.BF16))),
     Format.FP8_BLOCK128: tuple(dict.fromkeys(s.config for s in reachable_specs(Format.FP8_BLOCK128))),
     Format.FP8_MXFP4: tuple(dict.fromkeys(s.config for s in reachable_specs(Format.FP8_MXFP4))),
+    Format.BF16_MXFP4: tuple(dict.fromkeys(s.config for s in reachable_specs(Format.BF16_MXFP4))),
 }
 
 
@@ -65,7 +66,7 @@ def _config_fits(cfg: GemmConfig, fmt: Format, num_sms, signals: bool, combine: 
     return not (signals and cfg.tail is Tail.SPLIT) and (num_sms is None or num_sms >= cfg.cluster_n)
 
 
-SM90_FORMATS = (Format.BF16, Format.FP8_BLOCK128, Format.FP8_MXFP4)
+SM90_FORMATS = (Format.BF16, Format.FP8_BLOCK128, Format.FP8_MXFP4, Format.BF16_MXFP4)
 
 
 @st.composite
@@ -76,7 +77,8 @@ def valid_calls(draw, formats=tuple(Format), combine=None, out=None, experts=(1,
     fmt = draw(st.sampled_from([f for f in formats if f in SM90_FORMATS] if combine else formats))
     e = draw(st.integers(*experts))
     m = draw(st.integers(1, 80))
-    n_mult, k_mult = {Format.BF16: (8, 8), Format.FP8_BLOCK128: (16, 16), Format.FP8_MXFP4: (16, 32)}.get(fmt, (8, 32))
+    n_mult, k_mult = {Format.BF16: (8, 8), Format.FP8_BLOCK128: (16, 16), Format.FP8_MXFP4: (16, 32),
+                      Format.BF16_MXFP4: (16, 32)}.get(fmt, (8, 32))
     n = n_mult * draw(st.integers(1, 160 // n_mult))
     k = k_mult * draw(st.integers(1, 256 // k_mult))
     args = dict(masked_m=torch.tensor(draw(st.lists(st.integers(-4, m + 4), min_size=e, max_size=e)),
@@ -86,11 +88,13 @@ def valid_calls(draw, formats=tuple(Format), combine=None, out=None, experts=(1,
     elif fmt is Format.FP8_BLOCK128:
         args.update(a=torch.zeros(e, m, k, dtype=FP8), b=torch.zeros(e, n, k, dtype=FP8),
                     a_scale=torch.ones(e, m, cdiv(k, 128)), b_scale=torch.ones(e, cdiv(n, 128), cdiv(k, 128)))
-    elif fmt is Format.FP8_MXFP4:  # (prepared weights: int8 bytes, exponents N contiguous)
-        args.update(a=torch.zeros(e, m, k, dtype=FP8), b=torch.zeros(e, n, k // 2, dtype=torch.int8),
-                    a_scale=torch.ones(e, m, cdiv(k, 128)),
+    elif fmt.converts_weights:  # (prepared weights: int8 bytes, exponents N contiguous)
+        fp8 = fmt is Format.FP8_MXFP4
+        args.update(a=torch.zeros(e, m, k, dtype=FP8 if fp8 else BF16), b=torch.zeros(e, n, k // 2, dtype=torch.int8),
                     b_scale=torch.zeros(e, k // 32, n, dtype=draw(st.sampled_from([E8M0, torch.float8_e8m0fnu])))
                     .transpose(1, 2))
+        if fp8:
+            args["a_scale"] = torch.ones(e, m, cdiv(k, 128))
     else:
         packed = k // 2 if fmt is Format.NVFP4 else k
         ab = FP4 if fmt is Format.NVFP4 else FP8

@@ -18,6 +18,15 @@ entry's exponent field moves by d while the value stays normal (the upper
 four entries down to d = -7, the lower ones to d = -5); below that the
 entries are e4m3 subnormals; below -8 the table is zero (the group is
 flushed).
+
+With bf16 activations the weights become bf16 instead, where every group
+exponent folds in exactly: ``bf16_table(e)`` gives, for a group's E8M0 byte
+e, the bf16 bit patterns of the eight magnitudes times 2**(e - 127) split
+into a table of high bytes and one of low bytes (each an 8-byte ``prmt``
+table); ``e2m1x8_to_bf16x8`` looks a word's eight values up in both and
+interleaves them into four words of two bf16 each. Exact for e in
+[BF16_MIN_E8M0, BF16_MAX_E8M0] (every nonzero entry stays a normal bf16);
+below, the table is zero: the group's values are below 2**-124.
 """
 
 from __future__ import annotations
@@ -65,3 +74,42 @@ def e2m1x8_to_e4m3x8(word: Int32, table=None):
     lo = Int32(cute.arch.prmt(table[0], table[1], mags)) | (word & Int32(_signed(SIGN)))
     hi = Int32(cute.arch.prmt(table[0], table[1], mags >> 16)) | ((word << 4) & Int32(_signed(SIGN)))
     return lo, hi
+
+
+# bf16 bits of the e2m1 magnitudes by code, as pairs (code 2i low, 2i + 1 high)
+BF16_PAIRS = (0x3F000000, 0x3FC03F80, 0x40404000, 0x40C04080)
+# the lowest E8M0 byte whose 0.5 * 2**(e - 127) is a normal bf16, the highest
+# whose 6 * 2**(e - 127) is finite
+BF16_MIN_E8M0, BF16_MAX_E8M0 = 2, 252
+_HIGH_BYTES, _LOW_BYTES = 0x7531, 0x6420  # prmt: the odd / even bytes of two words
+
+
+def bf16_table(e: Int32):
+    """(high lo, high hi, low lo, low hi): the high and low bytes of the bf16
+    magnitudes 0-3 and 4-7 times 2**(e - 127), e an E8M0 byte in
+    [0, BF16_MAX_E8M0]; zeros below BF16_MIN_E8M0. Traced inline."""
+    step = (e - Int32(127)) << 7  # one binade of a bf16 bit pattern, per half
+    both = step * Int32(0x10001)
+    keep = e >= BF16_MIN_E8M0
+    pairs = [Int32(_signed(BF16_PAIRS[0])) + (step << 16)]  # code 0 stays zero
+    pairs += [Int32(_signed(p)) + both for p in BF16_PAIRS[1:]]
+    pairs = [Int32(cutlass.select_(keep, p, Int32(0))) for p in pairs]
+    return (Int32(cute.arch.prmt(pairs[0], pairs[1], Int32(_HIGH_BYTES))),
+            Int32(cute.arch.prmt(pairs[2], pairs[3], Int32(_HIGH_BYTES))),
+            Int32(cute.arch.prmt(pairs[0], pairs[1], Int32(_LOW_BYTES))),
+            Int32(cute.arch.prmt(pairs[2], pairs[3], Int32(_LOW_BYTES))))
+
+
+def e2m1x8_to_bf16x8(word: Int32, table):
+    """Four words of two bf16 each (values k0, k1 / k2, k3 / k4, k5 / k6, k7,
+    the even one in the low half) of ``word`` (the kernel's layout) looked up
+    in ``table`` (``bf16_table``)."""
+    mags = word & Int32(0x77777777)
+    signs = Int32(_signed(SIGN))
+    words = []
+    for sel, sign in ((mags, word & signs), (mags >> 16, (word << 4) & signs)):
+        high = Int32(cute.arch.prmt(table[0], table[1], sel)) | sign
+        low = Int32(cute.arch.prmt(table[2], table[3], sel))
+        words.append(Int32(cute.arch.prmt(low, high, Int32(0x5140))))
+        words.append(Int32(cute.arch.prmt(low, high, Int32(0x7362))))
+    return words

@@ -1,6 +1,7 @@
 """The sm_90 (Hopper) backend: wgmma kernels for bf16, DeepSeek's 1x128
-fp8 and MXFP4 weights with 1x128 fp8 activations, with every epilogue (plain store, signals, the fused combines, the
-fused SwiGLU) and the reference combine."""
+fp8, and MXFP4 weights with 1x128 fp8 or bf16 activations, with every
+epilogue (plain store, signals, the fused combines, the fused SwiGLU) and
+the reference combine."""
 
 from __future__ import annotations
 
@@ -11,20 +12,23 @@ from ..config import Epilogue, GemmConfig, KernelSpec
 from ..formats import Format
 from ..signals import DEFAULT_ROWS_PER_ITEM
 from ..validation import check_tail_with_signals
-from .limits import validated_config
+from .limits import SM90_FORMATS, validated_config
 
 
 def gemm_ptx_ok(spec: KernelSpec, feats) -> bool:
     """What an sm_90 GEMM's PTX must show: wgmma and TMA loads (MXFP4 weights:
-    e4m3 wgmma and the e2m1 lookups, which no other build has), the signal
+    the e2m1 lookups, which no other build has, and the wgmma of ``a``'s
+    type: e4m3 for fp8 activations, bf16 for bf16 ones), the signal
     sequence when signalled, and what its epilogue requires and forbids
     (``flashgemm.epilogue``)."""
     from ..epilogue import op
 
     feats = set(feats)
     ok = {"wgmma", "tma-load"} <= feats
-    mxfp4 = spec.fmt is Format.FP8_MXFP4
-    ok &= ({"fp8-wgmma", "e2m1-lookup"} <= feats) if mxfp4 else "e2m1-lookup" not in feats
+    if spec.fmt.converts_weights:
+        ok &= "e2m1-lookup" in feats and ("fp8-wgmma" in feats) == spec.fmt.promotes
+    else:
+        ok &= "e2m1-lookup" not in feats
     if spec.signal_mode is not None:
         ok &= "signal-publish" in feats
     return ok and op(spec.epilogue).ptx_ok(feats)
@@ -33,7 +37,7 @@ def gemm_ptx_ok(spec: KernelSpec, feats) -> bool:
 class Sm90Backend(Backend):
     name = "sm90"
     label = "sm_90"
-    formats = (Format.BF16, Format.FP8_BLOCK128, Format.FP8_MXFP4)
+    formats = SM90_FORMATS
     epilogues = frozenset(Epilogue)
     config_type = GemmConfig
 

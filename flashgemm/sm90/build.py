@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from ..config import CLAIM_COUNTER_INTS, KernelSpec, TileOrder
-from ..formats import Format
 from ..jit import cache
 from ..jit.arch import default_arch, ensure_arch_env
 from ..jit.key import cache_key
@@ -31,7 +30,7 @@ def _cutlass_dtype(name: str):
     import cutlass
 
     return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp8_block128": cutlass.Float8E4M3FN,
-            "fp8_mxfp4": cutlass.Float8E4M3FN}[name]
+            "fp8_mxfp4": cutlass.Float8E4M3FN, "bf16_mxfp4": cutlass.BFloat16}[name]
 
 
 def _fake_args(ab_dtype, out_dtype, sum_dtype=None, mxfp4=False):
@@ -122,7 +121,7 @@ def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, 
                                  fmt=fmt)
     op = spec.epilogue.op  # what the epilogue takes: its parameters, its rows' dtype
     a, b, d, masked_m, signals, sfa, sfb, routing = _fake_args(
-        ab_t, out_t, cutlass.BFloat16 if op.rows_dtype == "bf16" else cutlass.Float32, fmt is Format.FP8_MXFP4)
+        ab_t, out_t, cutlass.BFloat16 if op.rows_dtype == "bf16" else cutlass.Float32, fmt.converts_weights)
     routing = tuple(t if name in op.params else None for name, t in zip(ROUTING_SLOTS, routing))
     d_scale = None
     if not op.writes_out:

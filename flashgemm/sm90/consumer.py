@@ -141,7 +141,7 @@ class Consumer:
         else:
             read_state, release_state = consume_tile(
                 mma.ab_pipeline, read_state, release_state, mma.tiled_mma, accumulators,
-                mma.tCrA, mma.tCrB, k_tile_cnt,
+                mma.tCrA, mma.tCrB, k_tile_cnt, mma.b_buffers,
             )
         return read_state, release_state
 

@@ -1,26 +1,29 @@
-"""The converter warpgroups of the MXFP4-weight GEMM (``Format.FP8_MXFP4``):
-Hopper's wgmma takes no fp4, so the weights enter shared memory packed and
-leave it as e4m3 in a B buffer the wgmma reads (docs/design.md, "MXFP4
-weights on Hopper").
+"""The converter warpgroups of the MXFP4-weight GEMMs (``Format.FP8_MXFP4``,
+``Format.BF16_MXFP4``): Hopper's wgmma takes no fp4, so the weights enter
+shared memory packed and leave it as e4m3 (or bf16) in a B buffer the wgmma
+reads (docs/design.md, "MXFP4 weights on Hopper").
 
 The TMA ring's slots hold A, the packed B tile (``mxfp4.prepare_weights``'
-layout) and its (tile_n x 4) E8M0 bytes; the converted B lives in
+layout) and its (tile_n x tile_k / 32) E8M0 bytes; the converted B lives in
 ``limits.converted_buffers`` buffers beside the ring (slot i uses buffer i
-% that). The converter warps work in teams of ``TEAM_WARPS``: team t
-converts the slots whose sequence number is t modulo the team count, so
-several slots convert at once. Per slot, once its loads landed:
+% that). A k-tile row of B is one 128-byte swizzle row either way: 128 e4m3
+or 64 bf16 values. The converter warps work in teams of ``TEAM_WARPS``:
+team t converts the slots whose sequence number is t modulo the team count,
+so several slots convert at once. Per slot, once its loads landed:
 
 1. each thread reads its groups' exponents (a group: 32 values of one row);
-   the tile's largest, s_max, is reduced over the team (a warp max, then the
-   warps' maxima through shared memory and ``barriers.CONVERTERS`` + t);
-2. each thread converts its groups (16 packed bytes into 32 e4m3 bytes), the
-   group's exponent folded in as 2**(s - s_max + 6)
-   (``device.e2m1.scaled_table``), and stores them at their 128-byte-swizzled
-   place in the slot's B buffer, once the ring slot that last used that
-   buffer has been released (its wgmma retired: the ring's empty barrier);
-3. thread 0 of the team writes the slot's weight scale 2**(s_max - 6 - 127)
-   into both sSFB entries, where the fp8 recipe's 128x128 scale goes, so
-   the consumers' promotion is unchanged;
+   e4m3 only: the tile's largest, s_max, is reduced over the team (a warp
+   max, then the warps' maxima through shared memory and
+   ``barriers.CONVERTERS`` + t);
+2. each thread converts its groups (16 packed bytes into 32 e4m3 or 64 bf16
+   bytes) and stores them at their 128-byte-swizzled place in the slot's B
+   buffer, once the ring slot that last used that buffer has been released
+   (its wgmma retired: the ring's empty barrier). e4m3: the group's exponent
+   folded in as 2**(s - s_max + 6) (``device.e2m1.scaled_table``); bf16:
+   as 2**(s - 127), exactly (``device.e2m1.bf16_table``);
+3. e4m3 only: thread 0 of the team writes the slot's weight scale
+   2**(s_max - 6 - 127) into both sSFB entries, where the fp8 recipe's
+   128x128 scale goes, so the consumers' promotion is unchanged;
 4. each thread fences its stores for the async proxy (wgmma reads through
    it), and each warp of the team arrives on the slot's *converted* mbarrier.
 
@@ -39,17 +42,16 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32, Uint32
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
-from ..device.e2m1 import MAX_SHIFT, e2m1x8_to_e4m3x8, scaled_table
+from ..device.e2m1 import MAX_SHIFT, bf16_table, e2m1x8_to_bf16x8, e2m1x8_to_e4m3x8, scaled_table
+from ..formats import Format
 from ..device.layout import batch_last
 from . import barriers
 from .storage import MAX_CONVERTER_WARPS
 from .walk import start_walk, to_next_unit
 
 CHUNK = 16  # bytes of one 16-byte bank group of a swizzled row
-ROW_BYTES = 128  # one e4m3 k-tile row: 128 values, one 128-byte swizzle row
-PACKED_ROW_BYTES = ROW_BYTES // 2
+ROW_BYTES = 128  # one converted k-tile row: 128 e4m3 or 64 bf16 values, one 128-byte swizzle row
 GROUP = 32  # values per E8M0 exponent
-GROUPS = ROW_BYTES // GROUP  # exponents per row and k-tile
 # warps per converter team: the teams convert alternate slots at once, each
 # slot by one team (its warps share the slot's largest exponent)
 TEAM_WARPS = 2
@@ -58,35 +60,37 @@ TEAM_WARPS = 2
 class ConverterSmem(NamedTuple):
     """The converters' shared memory, as typed views."""
 
-    packed: cute.Tensor  # (tile_n * 16, stages) Uint32: packed rows of 64 bytes
-    exps: cute.Tensor  # (tile_n * 4, stages) Uint8: group-major E8M0 bytes (n + g * tile_n)
-    sB: cute.Tensor  # (tile_n * 32, buffers) Uint32: the converted, swizzled e4m3 rows
-    scale_bits: cute.Tensor  # (2, stages) Int32 view of sSFB
+    packed: cute.Tensor  # (tile_n * tile_k / 8, stages) Uint32: packed rows of tile_k / 2 bytes
+    exps: cute.Tensor  # (tile_n * tile_k / 32, stages) Uint8: group-major E8M0 bytes (n + g * tile_n)
+    sB: cute.Tensor  # (tile_n * 32, buffers) Uint32: the converted, swizzled rows
+    scale_bits: object  # e4m3: (2, stages) Int32 view of sSFB; bf16: None
     maxima: cute.Tensor  # (TEAM_WARPS, 2, teams) Int32: each team warp's s_max, per visit parity
     converted: object  # mbarrier pointer: one per slot
 
 
-def packed_smem_layout(tile_n: int, stages: int):
+def packed_smem_layout(tile_n: int, tile_k: int, stages: int):
     """(n, packed byte, stage): the TMA box of packed rows, unswizzled."""
-    return cute.make_layout((tile_n, PACKED_ROW_BYTES, stages), stride=(PACKED_ROW_BYTES, 1, tile_n * PACKED_ROW_BYTES))
+    row = tile_k // 2
+    return cute.make_layout((tile_n, row, stages), stride=(row, 1, tile_n * row))
 
 
-def exps_smem_layout(tile_n: int, stages: int):
+def exps_smem_layout(tile_n: int, tile_k: int, stages: int):
     """(n, group, stage): the E8M0 box, N contiguous (the exponents' stored layout)."""
-    return cute.make_layout((tile_n, GROUPS, stages), stride=(1, tile_n, tile_n * GROUPS))
+    groups = tile_k // GROUP
+    return cute.make_layout((tile_n, groups, stages), stride=(1, tile_n, tile_n * groups))
 
 
 def packed_b_boxes(mSFB: cute.Tensor, tile_mnk: tuple):
     """Host side of the loads: (the packed B box's smem layout, its box
-    shape, (the exponents' TMA atom, its tensor)) for a (tile_n, 128) tile."""
+    shape, (the exponents' TMA atom, its tensor)) for a (tile_n, tile_k) tile."""
     tile_n, tile_k = tile_mnk[1], tile_mnk[2]
     exps_atom = cute.nvgpu.cpasync.make_tiled_tma_atom(
         cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(),
         batch_last(mSFB),
-        cute.slice_(exps_smem_layout(tile_n, 1), (None, None, 0)),
+        cute.slice_(exps_smem_layout(tile_n, tile_k, 1), (None, None, 0)),
         (tile_n, tile_k // GROUP),
     )
-    return cute.slice_(packed_smem_layout(tile_n, 1), (None, None, 0)), (tile_n, tile_k // 2), exps_atom
+    return cute.slice_(packed_smem_layout(tile_n, tile_k, 1), (None, None, 0)), (tile_n, tile_k // 2), exps_atom
 
 
 def packed_b_partitions(storage, tma_atom_b, mB_nkl, tma_atom_exps, mExps, tile_mnk: tuple, stages: int):
@@ -95,25 +99,26 @@ def packed_b_partitions(storage, tma_atom_b, mB_nkl, tma_atom_exps, mExps, tile_
     (TMA, RestN, RestK, E) of the packed B, (atom, source, destination) of
     the exponents)."""
     tile_n, tile_k = tile_mnk[1], tile_mnk[2]
-    sBp = storage.sBp.get_tensor(packed_smem_layout(tile_n, stages))
+    sBp = storage.sBp.get_tensor(packed_smem_layout(tile_n, tile_k, stages))
     gBp = cute.local_tile(mB_nkl, (tile_n, tile_k // 2), (None, None, None))
     tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
         tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sBp, 0, 2), cute.group_modes(gBp, 0, 2))
-    sExps = storage.sBsf.get_tensor(exps_smem_layout(tile_n, stages))
+    sExps = storage.sBsf.get_tensor(exps_smem_layout(tile_n, tile_k, stages))
     gExps = cute.local_tile(mExps, (tile_n, tile_k // GROUP), (None, None, None))
     tEs, tEg = cute.nvgpu.cpasync.tma_partition(
         tma_atom_exps, 0, cute.make_layout(1), cute.group_modes(sExps, 0, 2), cute.group_modes(gExps, 0, 2))
     return tBsB, tBgB, (tma_atom_exps, tEg, tEs)
 
 
-def converter_smem(storage, sB: cute.Tensor, sSFB: cute.Tensor, tile_n: int, stages: int,
+def converter_smem(storage, sB: cute.Tensor, sSFB, tile_n: int, tile_k: int, stages: int,
                    buffers: int) -> ConverterSmem:
+    """``sSFB``: the slots' weight scales (e4m3), or None (bf16: no scale)."""
     return ConverterSmem(
         cute.make_tensor(cute.recast_ptr(storage.sBp.data_ptr(), dtype=Uint32),
-                         cute.make_layout((tile_n * PACKED_ROW_BYTES // 4, stages))),
-        cute.make_tensor(storage.sBsf.data_ptr(), cute.make_layout((tile_n * GROUPS, stages))),
+                         cute.make_layout((tile_n * tile_k // 8, stages))),
+        cute.make_tensor(storage.sBsf.data_ptr(), cute.make_layout((tile_n * tile_k // GROUP, stages))),
         cute.make_tensor(cute.recast_ptr(sB.iterator, dtype=Uint32), cute.make_layout((tile_n * ROW_BYTES // 4, buffers))),
-        cute.make_tensor(cute.recast_ptr(sSFB.iterator, dtype=Int32), sSFB.layout),
+        None if sSFB is None else cute.make_tensor(cute.recast_ptr(sSFB.iterator, dtype=Int32), sSFB.layout),
         cute.make_tensor(storage.conv_max.data_ptr(),
                          cute.make_layout((TEAM_WARPS, 2, MAX_CONVERTER_WARPS // TEAM_WARPS))),
         storage.conv_mbar.data_ptr(),
@@ -155,9 +160,13 @@ class ConvertedRing:
 class WeightConverter:
     """Trace-time helper of the converter warpgroups (see the module docstring)."""
 
-    def __init__(self, config, tile_n: int, stages: int, buffers: int, warpgroups: int):
+    def __init__(self, config, fmt: Format, tile_n: int, tile_k: int, stages: int, buffers: int, warpgroups: int):
         self.config = config
+        self.bf16 = fmt is Format.BF16_MXFP4  # else e4m3 (FP8_MXFP4)
         self.tile_n = tile_n
+        self.groups = tile_k // GROUP  # exponents per row and k-tile
+        self.packed_row_words = tile_k // 8
+        self.chunks_per_group = ROW_BYTES // CHUNK // self.groups
         self.stages = stages
         self.buffers = buffers
         self.teams = warpgroups * 4 // TEAM_WARPS
@@ -196,29 +205,35 @@ class WeightConverter:
     def convert_slot(self, smem: ConverterSmem, stage, parity, ttid, team, barrier):
         lane = ttid % 32
         warp = ttid // 32
-        # this thread's groups: group lane % 4 of rows lane // 4 + 8 * warp + step * i
-        group = lane % GROUPS
-        row0 = lane // GROUPS + 8 * warp
-        step = self.team_threads // GROUPS
+        # this thread's groups: group lane % groups of rows lane // groups + (32 / groups) * warp + step * i
+        group = lane % self.groups
+        row0 = lane // self.groups + (32 // self.groups) * warp
+        step = self.team_threads // self.groups
         passes = self.tile_n // step
         exps, packed = self.load_groups(smem, stage, group, row0, step, passes)
-        # 1. s_max over the team's warps
-        s_max = cute.arch.warp_redux_sync(_max_tree(exps), "max")
-        if cutlass.const_expr(TEAM_WARPS > 1):
-            if lane == 0:
-                smem.maxima[(warp, parity, team)] = s_max
-            barrier.arrive_and_wait()
-            s_max = _max_tree([smem.maxima[(w, parity, team)] for w in range(TEAM_WARPS)])
-        base = s_max - MAX_SHIFT  # the slot scale's biased exponent
-        # 2. convert and store
-        self.store_groups(smem, stage % self.buffers, exps, packed, base, group, row0, step, passes)
-        # 3. the slot's weight scale, as fp32 bits (0 for a tile whose values are all below 2**-126)
-        if ttid == 0:
-            bits = Int32(0)
-            if base >= 1:
-                bits = base << 23
-            smem.scale_bits[(0, stage)] = bits
-            smem.scale_bits[(1, stage)] = bits
+        if cutlass.const_expr(self.bf16):
+            # every group's exponent folds into bf16 exactly: no tile scale
+            self.store_groups(smem, stage % self.buffers, [bf16_table(e) for e in exps], packed, group, row0,
+                              step, passes)
+        else:
+            # 1. s_max over the team's warps
+            s_max = cute.arch.warp_redux_sync(_max_tree(exps), "max")
+            if cutlass.const_expr(TEAM_WARPS > 1):
+                if lane == 0:
+                    smem.maxima[(warp, parity, team)] = s_max
+                barrier.arrive_and_wait()
+                s_max = _max_tree([smem.maxima[(w, parity, team)] for w in range(TEAM_WARPS)])
+            base = s_max - MAX_SHIFT  # the slot scale's biased exponent
+            # 2. convert and store
+            self.store_groups(smem, stage % self.buffers, [scaled_table(e - base) for e in exps], packed, group,
+                              row0, step, passes)
+            # 3. the slot's weight scale, as fp32 bits (0 for a tile whose values are all below 2**-126)
+            if ttid == 0:
+                bits = Int32(0)
+                if base >= 1:
+                    bits = base << 23
+                smem.scale_bits[(0, stage)] = bits
+                smem.scale_bits[(1, stage)] = bits
         # 4. stores visible to the wgmma (async proxy), then one arrival per warp
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
@@ -233,34 +248,39 @@ class WeightConverter:
         for i in range(passes):
             n = row0 + step * i
             exps.append(Int32(smem.exps[(n + group * self.tile_n, stage)]) & Int32(0xFF))
-            src = cute.make_tensor(smem.packed[(None, stage)].iterator + n * (PACKED_ROW_BYTES // 4) + 4 * group,
+            src = cute.make_tensor(smem.packed[(None, stage)].iterator + n * self.packed_row_words + 4 * group,
                                    cute.make_layout(4))
             words = cute.make_rmem_tensor((4,), Uint32)
             cute.autovec_copy(src, words)
             packed.append(words)
         return exps, packed
 
-    def store_groups(self, smem: ConverterSmem, buffer, exps, packed, base, group, row0, step, passes):
-        """Each group's 32 e4m3 bytes into its two 16-byte chunks (2g, 2g + 1)
-        of the row, at their swizzled places (Swizzle<3,4,3>: chunk index XOR
-        row % 8; row0 % 8 is every pass's, as step is a multiple of 8)."""
-        out = cute.make_rmem_tensor((8,), Uint32)
+    def store_groups(self, smem: ConverterSmem, buffer, tables, packed, group, row0, step, passes):
+        """Each group's converted bytes into its 16-byte chunks of the row
+        (e4m3: 2g, 2g + 1; bf16: 4g .. 4g + 3), at their swizzled places
+        (Swizzle<3,4,3>: chunk index XOR row % 8; row0 % 8 is every pass's,
+        as step is a multiple of 8)."""
+        words_out = 4 * self.chunks_per_group
+        out = cute.make_rmem_tensor((words_out,), Uint32)
         for i in range(passes):
             n = row0 + step * i
-            table = scaled_table(exps[i] - base)
             for w in range(4):
-                lo, hi = e2m1x8_to_e4m3x8(Int32(packed[i][w]), table)
-                out[2 * w], out[2 * w + 1] = Uint32(lo), Uint32(hi)
-            for half in range(2):
-                chunk = (2 * group + half) ^ (row0 % 8)
+                if cutlass.const_expr(self.bf16):
+                    for j, v in enumerate(e2m1x8_to_bf16x8(Int32(packed[i][w]), tables[i])):
+                        out[4 * w + j] = Uint32(v)
+                else:
+                    lo, hi = e2m1x8_to_e4m3x8(Int32(packed[i][w]), tables[i])
+                    out[2 * w], out[2 * w + 1] = Uint32(lo), Uint32(hi)
+            for part in range(self.chunks_per_group):
+                chunk = (self.chunks_per_group * group + part) ^ (row0 % 8)
                 at = (n * ROW_BYTES + chunk * CHUNK) // 4
                 dst = cute.make_tensor(smem.sB[(None, buffer)].iterator + at, cute.make_layout(4))
-                cute.autovec_copy(_quarter(out, half), dst)
+                cute.autovec_copy(_quarter(out, part), dst)
 
 
-def _quarter(out, half):
-    """Words 4 * half .. 4 * half + 3 of ``out`` as a tensor of their own."""
-    return cute.make_tensor(out.iterator + 4 * half, cute.make_layout(4))
+def _quarter(out, part):
+    """Words 4 * part .. 4 * part + 3 of ``out`` as a tensor of their own."""
+    return cute.make_tensor(out.iterator + 4 * part, cute.make_layout(4))
 
 
 def _max_tree(values):

@@ -26,6 +26,7 @@ from ..config import (
 )
 from ..epilogue import family as epilogue_family
 from ..formats import Format
+from .limits import SM90_FORMATS
 
 A_CHUNK_ROWS = 32
 # the fused combine's builds (every epilogue of the "combine" family: fp32 and
@@ -257,17 +258,19 @@ def choose_config(
 
 
 def weight_format_config(cfg: GemmConfig, fmt: Format) -> GemmConfig:
-    """The fp8 pick made buildable for ``fmt``'s weights. MXFP4 weights
-    (``Format.FP8_MXFP4``) add converter warpgroups, which take registers:
-    at most two consumer warpgroups, and two of them with one product set;
-    and tiles at least 128 wide."""
-    if fmt is not Format.FP8_MXFP4:
+    """The fp8 (or bf16) pick made buildable for ``fmt``'s weights. MXFP4
+    weights (``Format.FP8_MXFP4``, ``Format.BF16_MXFP4``) add converter
+    warpgroups, which take registers: at most two consumer warpgroups, and
+    two of them with one product set; and tiles 128 to 192 wide."""
+    if not fmt.converts_weights:
         return cfg
     if cfg.tile_n == 64:
         # a slot's conversion has a fixed cost: 64-wide tiles pay it per half the bytes
         cfg = cfg.replace(tile_n=128)
     if cfg.tile_m == 192:
         cfg = cfg.replace(tile_m=128)
+    if cfg.tile_n > 192:
+        cfg = cfg.replace(tile_n=192)
     if cfg.tile_m == 128 and cfg.promotion is Promotion.OVERLAPPED:
         cfg = cfg.replace(promotion=Promotion.SERIAL)
     return cfg
@@ -302,14 +305,15 @@ def reachable_specs(fmt: Optional[Format] = None) -> tuple[KernelSpec, ...]:
     can be launched with, the fused-SwiGLU builds (``choose_activation_config``)
     and the fused-combine builds (tests sweep the
     heuristic to show the sets equal)."""
-    if fmt is Format.FP8_MXFP4:
-        # the fp8 picks, as ``weight_format_config`` adapts them
+    if fmt is not None and fmt.converts_weights:
+        # the fp8 (bf16) picks, as ``weight_format_config`` adapts them
+        base = Format.FP8_BLOCK128 if fmt.promotes else Format.BF16
         return tuple(dict.fromkeys(
             KernelSpec(weight_format_config(s.config, fmt), fmt, s.signal_mode, s.epilogue)
-            for s in reachable_specs(Format.FP8_BLOCK128)
+            for s in reachable_specs(base)
         ))
     if fmt is None:
-        return tuple(s for f in (Format.BF16, Format.FP8_BLOCK128, Format.FP8_MXFP4) for s in reachable_specs(f))
+        return tuple(s for f in SM90_FORMATS for s in reachable_specs(f))
     specs = []
     ops = fmt
     fp8 = ops is Format.FP8_BLOCK128

@@ -112,8 +112,8 @@ class MaskedGroupedGemmSm90(GemmLayouts):
         self.acc_dtype = cutlass.Float32
         if fmt is None:
             fmt = Format.FP8_BLOCK128 if ab_dtype.width == 8 else Format.BF16
-        # MXFP4 weights: converted to e4m3 in shared memory (``converter``); ab_dtype is the MMA's
-        self.converted_b = fmt is Format.FP8_MXFP4
+        # MXFP4 weights: converted to e4m3 / bf16 in shared memory (``converter``); ab_dtype is the MMA's
+        self.fmt, self.converted_b = fmt, fmt.converts_weights
         self.converters = converter_warpgroups(config.consumer_warpgroups) if self.converted_b else 0
         self.tile_mnk = config.tile_mnk(fmt)
         self.stages = resolved_stages(config, fmt, epilogue)
@@ -137,12 +137,12 @@ class MaskedGroupedGemmSm90(GemmLayouts):
     def __call__(
         self,
         mA: cute.Tensor,  # (E, max_m, K), K contiguous
-        mB: cute.Tensor,  # (E, N, K), K contiguous; FP8_MXFP4: (E, N, K/2) packed e2m1 bytes
+        mB: cute.Tensor,  # (E, N, K), K contiguous; MXFP4: (E, N, K/2) packed e2m1 bytes
         mD: cute.Tensor,  # (E, max_m, N), N contiguous
         mMaskedM: cute.Tensor,  # (E,) int32
         mSignals: cute.Tensor,  # int32 counters, or the trace buffer; None without either
         mSFA: cute.Tensor,  # fp8: (E, max_m, ceil(K/128)) fp32, M contiguous; else None
-        mSFB: cute.Tensor,  # fp8: (E, ceil(N/128), ceil(K/128)) fp32; FP8_MXFP4: (E, N, K/32) E8M0, N contiguous
+        mSFB: cute.Tensor,  # fp8: (E, ceil(N/128), ceil(K/128)) fp32; MXFP4: (E, N, K/32) E8M0, N contiguous
         mCounter: cute.Tensor,  # dynamic: (2,) int32 claim counter, zero between launches; else None
         mTokenIdx: cute.Tensor,  # Epilogue.COMBINE* (else None): (E, max_m) int32
         mWeight: cute.Tensor,  # (E, max_m) fp32
@@ -239,7 +239,7 @@ class MaskedGroupedGemmSm90(GemmLayouts):
         mErr,
         mPeers,  # Epilogue.COMBINE_PEERS only (else None)
         mDScale,  # Epilogue.SWIGLU_FP8 only (else None)
-        tma_atom_bsf,  # FP8_MXFP4 only (else None): the weights' E8M0 exponents
+        tma_atom_bsf,  # MXFP4 weights only (else None): their E8M0 exponents
         mBSF_tma,
         tiled_mma: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
@@ -469,9 +469,9 @@ class MaskedGroupedGemmSm90(GemmLayouts):
             if cutlass.const_expr(self.converted_b):
                 if warp_group_idx > self.num_consumer_wg:
                     cute.arch.setmaxregister_decrease(CONVERTER_REGS)
-                    WeightConverter(self.config, self.tile_mnk[1], self.stages, self.b_stages, self.converters).run(
+                    WeightConverter(self.config, self.fmt, *self.tile_mnk[1:], self.stages, self.b_stages, self.converters).run(
                         tidx - 128 * (1 + self.num_consumer_wg), walk_args, feed, balance, ab_pipeline,
-                        converter_smem(storage, sB, sSFB, self.tile_mnk[1], self.stages, self.b_stages),
+                        converter_smem(storage, sB, sSFB, *self.tile_mnk[1:], self.stages, self.b_stages),
                         k_tile_cnt,
                     )
                 else:

@@ -59,7 +59,7 @@ def gemm_plan(call, tensors: dict, epilogue: Epilogue, config: GemmConfig, spec_
     layout = facts.pop("layout", None)
     mode = layout.granularity if layout is not None else None
     fn = get_kernel(KernelSpec(config, spec_fmt, mode, epilogue))
-    mxfp4 = spec_fmt is Format.FP8_MXFP4
+    mxfp4 = spec_fmt.converts_weights
     if config.dynamic and call.device_index is not None:
         from .. import workspace
 

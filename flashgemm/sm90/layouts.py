@@ -79,4 +79,4 @@ class GemmLayouts:
         return shared_storage(self.config, self.ab_dtype, self.out_dtype, self.stages, self.a_smem_layout,
                               self.b_smem_layout, self.d_smem_layout, self._sfa_smem_layout(),
                               self._sfb_smem_layout(), self.blockwise, self.row_max_exchange,
-                              self.tile_mnk[1] if self.converted_b else 0)
+                              self.tile_mnk[1] if self.converted_b else 0, self.tile_mnk[2])

@@ -15,6 +15,8 @@ from ..config import (
 from ..formats import Format
 
 # 227 KiB of dynamic shared memory per CTA (the sm_90 opt-in limit).
+# the formats the sm_90 kernels take (the MXFP4-weight ones convert b inside)
+SM90_FORMATS = (Format.BF16, Format.FP8_BLOCK128, Format.FP8_MXFP4, Format.BF16_MXFP4)
 SMEM_BYTES = 232448
 # Kept out of the operand ring: the mbarriers before it and the small fields
 # after the staging area (scales, counts, the claim feed), with their alignment.
@@ -48,11 +50,11 @@ def consumer_regs(num_consumer_wg: int, converters: int = 0) -> int:
 def stage_bytes(cfg: GemmConfig, fmt: Format) -> int:
     """One ring slot: the A and B k-tiles, and for fp8 the tile's fp32 row
     scales and its weight scales."""
-    if fmt is Format.FP8_MXFP4:
-        # A, the packed B and its E8M0 bytes; the row and weight scales (the
-        # converted B is outside the ring: converted_bytes)
-        return (cfg.tile_m * fmt.tile_k + cfg.tile_n * (fmt.tile_k // 2 + fmt.tile_k // 32)
-                + (cfg.tile_m + FP8_SLOT_WEIGHT_SCALES) * 4)
+    if fmt.converts_weights:
+        # A, the packed B and its E8M0 bytes; fp8: the row and weight scales
+        # (the converted B is outside the ring: converted_bytes)
+        return (cfg.tile_m * fmt.tile_k * fmt.elem_bytes + cfg.tile_n * (fmt.tile_k // 2 + fmt.tile_k // 32)
+                + ((cfg.tile_m + FP8_SLOT_WEIGHT_SCALES) * 4 if fmt.promotes else 0))
     operand_bytes = (cfg.tile_m + cfg.tile_n) * fmt.tile_k * fmt.elem_bytes
     if fmt is Format.FP8_BLOCK128:
         operand_bytes += (cfg.tile_m + FP8_SLOT_WEIGHT_SCALES) * 4
@@ -67,7 +69,7 @@ def epi_bytes(cfg: GemmConfig, epilogue: Epilogue = Epilogue.STORE) -> int:
 
 
 def converted_buffers(cfg: GemmConfig) -> int:
-    """MXFP4 weights: the e4m3 B buffers the converters fill, off the TMA
+    """MXFP4 weights: the e4m3 / bf16 B buffers the converters fill, off the TMA
     ring, whose depth must be a multiple (a slot's B buffer is its index
     modulo this). Four let the converter teams work on as many slots at once
     (docs/design.md); wider tiles keep two, for ring stages."""
@@ -75,8 +77,8 @@ def converted_buffers(cfg: GemmConfig) -> int:
 
 
 def converted_bytes(cfg: GemmConfig, fmt: Format) -> int:
-    """MXFP4 weights: the converters' e4m3 B buffers (0 for other formats)."""
-    return converted_buffers(cfg) * cfg.tile_n * fmt.tile_k if fmt is Format.FP8_MXFP4 else 0
+    """MXFP4 weights: the converters' B buffers, one 128-byte row per weight row (0 for other formats)."""
+    return converted_buffers(cfg) * cfg.tile_n * fmt.tile_k * fmt.elem_bytes if fmt.converts_weights else 0
 
 
 def resolved_stages(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> int:
@@ -86,7 +88,7 @@ def resolved_stages(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.
         return cfg.stages
     free = SMEM_BYTES - SMEM_RESERVED_BYTES - epi_bytes(cfg, epilogue) - converted_bytes(cfg, fmt)
     stages = max(free // stage_bytes(cfg, fmt), 0)
-    if fmt is Format.FP8_MXFP4:
+    if fmt.converts_weights:
         stages -= stages % converted_buffers(cfg)
     return stages
 
@@ -102,11 +104,15 @@ def check_config(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STO
         raise TypeError(f"config must be a flashgemm.GemmConfig, got {type(cfg).__name__}")
     cfg.check_fields(fmt)
     fp8 = fmt.promotes
-    if fmt is Format.FP8_MXFP4 and cfg.consumer_warpgroups == 3:
+    if fmt.converts_weights and cfg.consumer_warpgroups == 3:
         # the converter warpgroup leaves three consumers 120 registers each
         raise ValueError(f"config.tile_m must be 64 or 128 with {fmt.value} weights (a converter warpgroup "
                          f"shares the registers), got {cfg.tile_m}")
-    if fmt is Format.FP8_MXFP4 and cfg.stages % converted_buffers(cfg):
+    if fmt.converts_weights and cfg.tile_n > 192:
+        # with the converters 512 threads compile at 128 registers, all of them a 256-wide wgmma's accumulators
+        raise ValueError(f"config.tile_n must be <= 192 with {fmt.value} weights (the converter warpgroups make "
+                         f"512 threads), got {cfg.tile_n}")
+    if fmt.converts_weights and cfg.stages % converted_buffers(cfg):
         raise ValueError(f"config.stages must be a multiple of {converted_buffers(cfg)} with {fmt.value} weights "
                          f"(each ring slot's converted B is its index modulo that), got {cfg.stages}")
     if fmt is Format.FP8_MXFP4 and cfg.consumer_warpgroups == 2 and cfg.promotion is Promotion.OVERLAPPED:

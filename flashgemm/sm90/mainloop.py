@@ -139,10 +139,12 @@ def consume_tile(
     tiled_mma: cute.TiledMma,
     accumulators: cute.Tensor,
     tCrA: cute.Tensor,  # (MMA, MMA_M, MMA_K, stages) smem descriptors
-    tCrB: cute.Tensor,  # (MMA, MMA_N, MMA_K, stages)
+    tCrB: cute.Tensor,  # (MMA, MMA_N, MMA_K, stages), or (..., b_buffers)
     k_tile_cnt: Int32,
+    b_buffers: cutlass.Constexpr = 0,
 ):
-    """Accumulate one output tile over K; returns (read_state, release_state)."""
+    """Accumulate one output tile over K; returns (read_state, release_state).
+    ``b_buffers``: MXFP4 weights, slot i's B is buffer i % b_buffers (0: slot i's own)."""
     num_k_blocks = cute.size(tCrA, mode=[2])
     # The caller set ACCUMULATE once; zeroing 64..128 registers per tile is
     # cheaper than carrying the flag through the dynamic k-loop.
@@ -150,9 +152,10 @@ def consume_tile(
     cute.nvgpu.warpgroup.fence()
     for k_tile in cutlass.range(k_tile_cnt, unroll=1):
         ab_pipeline.consumer_wait(read_state)
+        b_index = read_state.index if b_buffers == 0 else read_state.index % b_buffers
         for k_block in cutlass.range_constexpr(num_k_blocks):
             coord = (None, None, k_block, read_state.index)
-            cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
+            cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[(None, None, k_block, b_index)], accumulators)
         cute.nvgpu.warpgroup.commit_group()
         # Keep one wgmma group in flight; the slot read by the group before it
         # is now free.
