@@ -16,8 +16,9 @@ baseline is the bf16 GEMM with the same weights in bf16 (2K bytes per row).
 With ``--gpt-oss`` it times gpt-oss's expert layer (``moe.GptOssExperts``:
 biases, the clamped SwiGLU, H = I = 2880, 16 local experts of 128, top-4,
 128 tokens per rank on EP8) with MXFP4 weights and fp8 activations against
-the same layer with bf16 weights and activations, and checks the MXFP4 one
-against the float64 reference of the model's formula.
+the same layer with bf16 weights and activations, and the MXFP4 layer with
+bf16 activations too, and checks both MXFP4 ones against the float64
+reference of the model's formula.
 
 With ``--layer`` it times the whole MoE expert layer instead
 (``moe.MaskedExperts``: gate_up with the SwiGLU and the fp8 quantization
@@ -199,24 +200,40 @@ def run_gpt_oss(seed, rounds, reps):
     diff = similarity(out4, ref.float())
     if diff > 1e-3:
         raise SystemExit(f"gpt-oss MXFP4 layer wrong (similarity diff {diff:.2e})")
-    t4, t16 = time_graph_rounds([
+    # MXFP4 weights with bf16 activations: against the formula on the bf16 x (bar 1e-4)
+    out4b = torch.zeros(tokens, hidden, device="cuda")
+    mx_layer(xb, masked_m, Combine(tok, wt, out4b), expected_m=em)
+    ref_b = gpt_oss_experts_ref(xb.float(), masked_m, dequantize_mxfp4(*q13), b13, dequantize_mxfp4(*q2), b2,
+                                token_index=tok, weight=wt, num_tokens=tokens)
+    torch.cuda.synchronize()
+    diff_b = similarity(out4b, ref_b.float())
+    if diff_b > 1e-4:
+        raise SystemExit(f"gpt-oss MXFP4 layer with bf16 activations wrong (similarity diff {diff_b:.2e})")
+    t4, t4b, t16 = time_graph_rounds([
         lambda: mx_layer(xq, masked_m, Combine(tok, wt, out4), x_scale=xs, expected_m=em),
+        lambda: mx_layer(xb, masked_m, Combine(tok, wt, out4b), expected_m=em),
         lambda: bf_layer(xb, masked_m, Combine(tok, wt, out16), expected_m=em),
     ], rounds=rounds, reps=reps)
     rows = int(masked.sum())
     return {"case": "gpt-oss-120b-ep8-t128", "experts": e_local, "rows": rows, "similarity_diff": diff,
-            "mxfp4_us": 1e3 * paired_median(lambda t: t, t4), "bf16_us": 1e3 * paired_median(lambda t: t, t16),
-            "speedup": paired_median(lambda p, q: q / p, t4, t16)}
+            "similarity_diff_bf16_act": diff_b,
+            "mxfp4_us": 1e3 * paired_median(lambda t: t, t4), "mxfp4_bf16_act_us": 1e3 * paired_median(lambda t: t, t4b),
+            "bf16_us": 1e3 * paired_median(lambda t: t, t16),
+            "speedup": paired_median(lambda p, q: q / p, t4, t16),
+            "speedup_bf16_act": paired_median(lambda p, q: q / p, t4b, t16)}
 
 
 def gpt_oss_markdown(row, device, cmd):
     return "\n".join([
-        f"gpt-oss expert layer (H = I = 2880, biases, clamped SwiGLU, top-4), MXFP4 weights + fp8 activations vs "
-        f"bf16 weights + bf16 activations, {device}, {datetime.date.today()}, `{cmd}`.", "",
-        "| layer | local experts | rows | MXFP4 us | bf16 us | bf16 / MXFP4 | similarity diff (formula) |",
+        f"gpt-oss expert layer (H = I = 2880, biases, clamped SwiGLU, top-4), MXFP4 weights with fp8 or bf16 "
+        f"activations vs bf16 weights + bf16 activations, {device}, {datetime.date.today()}, `{cmd}`.", "",
+        "| layer | local experts | rows | weights, activations | us | bf16 / this | similarity diff (formula) |",
         "|---|---|---|---|---|---|---|",
-        f"| {row['case']} | {row['experts']} | {row['rows']} | {row['mxfp4_us']:.1f} | {row['bf16_us']:.1f} | "
-        f"{row['speedup']:.2f}x | {row['similarity_diff']:.1e} |"])
+        f"| {row['case']} | {row['experts']} | {row['rows']} | MXFP4, fp8 | {row['mxfp4_us']:.1f} | "
+        f"{row['speedup']:.2f}x | {row['similarity_diff']:.1e} |",
+        f"| {row['case']} | {row['experts']} | {row['rows']} | MXFP4, bf16 | {row['mxfp4_bf16_act_us']:.1f} | "
+        f"{row['speedup_bf16_act']:.2f}x | {row['similarity_diff_bf16_act']:.1e} |",
+        f"| {row['case']} | {row['experts']} | {row['rows']} | bf16, bf16 | {row['bf16_us']:.1f} | 1.00x | |"])
 
 
 def layer_markdown(rows, device, cmd):

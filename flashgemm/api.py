@@ -138,6 +138,11 @@ def grouped_gemm_nt_masked(
     what a low-latency dispatch writes) is read in place; a K-block-contiguous
     one is first copied into that layout (an extra small kernel per call).
 
+    MXFP4 weights (Hopper): b int8 [E, N, K/2] and b_scale its E8M0
+    exponents [E, N, K/32] stored N contiguous, both from
+    ``mxfp4.prepare_weights``; a float8_e4m3fn with a_scale as above
+    (``Format.FP8_MXFP4``) or bf16 without (``Format.BF16_MXFP4``).
+
     Blackwell (sm_100 / sm_103) also takes MXFP8 (a, b float8_e4m3fn with
     float8_e8m0fnu or uint8 scales, one per 32 of K) and NVFP4 (a [E, max_m, K/2],
     b [E, N, K/2] packed e2m1 as uint8 or float4_e2m1fn_x2, float8_e4m3fn

@@ -81,6 +81,22 @@ def fake_gpu(monkeypatch):
     return asked
 
 
+@pytest.fixture
+def cpu_launches(monkeypatch):
+    """The launcher on CPU tensors with the device checks and the sm_90
+    kernel stubbed: each call appends (spec, its tensors) here instead of
+    launching."""
+    from flashgemm import api
+    from flashgemm.plan import PlanCache
+    from flashgemm.sm90 import build
+
+    calls = []
+    monkeypatch.setattr(api, "validate_device", lambda *args, **kw: 132)
+    monkeypatch.setattr(build, "get_kernel", lambda spec, *a, **kw: lambda *t: calls.append((spec, t)))
+    monkeypatch.setattr(api, "_PLANS", PlanCache())
+    return calls
+
+
 # ---------------------------------------------------------------------------
 # The runs of the compile command line, which compile every kernel the
 # package can launch (a few minutes each on a 2-core machine). Each starts in

@@ -300,7 +300,7 @@ def test_cli_compile_lists_every_kernel(cli_compile_listing):
         assert "wgmma" in feats and "tma-load" in feats, spec.name()
         assert ("fp8-wgmma" in feats) == spec.fmt.promotes, spec.name()
         # MXFP4 weights: the converters' e2m1 lookups, in those builds only
-        assert ("e2m1-lookup" in feats) == (spec.fmt is Format.FP8_MXFP4), spec.name()
+        assert ("e2m1-lookup" in feats) == spec.fmt.converts_weights, spec.name()
         # a signalled kernel publishes: bulk stores complete, proxy fence, release add
         assert ("signal-publish" in feats) == (spec.signal_mode is not None), spec.name()
         # the fused combine reduces its rows into the token rows and stores none

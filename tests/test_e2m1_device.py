@@ -120,61 +120,30 @@ def test_kernel_layout_round_trips():
     assert torch.equal(back[0], packed) and torch.equal(back[1], scales)
 
 
-def _kernel_ptx_and_fn():
+def _kernel_ptx_and_fn(bf16: bool):
+    """A kernel converting one word per thread (its 2 e4m3 words, or its 4
+    bf16 words with ``bf16``), with the table's argument (d, or the E8M0
+    byte) as a run-time value: (its PTX, the callable)."""
     import cutlass
     import cutlass.cute as cute
 
-    @cute.kernel
-    def convert(mIn: cute.Tensor, mOut: cute.Tensor, d: cutlass.Int32):
-        i = cute.arch.block_idx()[0] * 128 + cute.arch.thread_idx()[0]
-        if i < cute.size(mIn):
-            lo, hi = e2m1.e2m1x8_to_e4m3x8(cutlass.Int32(mIn[i]), e2m1.scaled_table(d))
-            mOut[2 * i] = lo
-            mOut[2 * i + 1] = hi
-
-    @cute.jit
-    def launch(mIn: cute.Tensor, mOut: cute.Tensor, d: cutlass.Int32, blocks: cutlass.Int32, stream):
-        convert(mIn, mOut, d).launch(grid=[blocks, 1, 1], block=[128, 1, 1], stream=stream)
-
-    from flashgemm.jit.options import compile_options
-
-    n = cute.sym_int()
-    fake = cute.runtime.make_fake_compact_tensor
-    with compile_options(True) as options:
-        fn = cute.compile(launch, fake(cutlass.Int32, (n,), assumed_align=4),
-                          fake(cutlass.Int32, (cute.sym_int(),), assumed_align=4), cutlass.Int32(0), cutlass.Int32(1),
-                          cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True), options=options)
-    return fn.__ptx__, fn
-
-
-@pytest.fixture(scope="module")
-def built():
-    from flashgemm.jit.arch import ensure_arch_env
-
-    ensure_arch_env("sm_90a")
-    return _kernel_ptx_and_fn()
-
-
-def test_two_prmt_per_eight_values(built):
-    ptx, _ = built
-    assert ptx.count("prmt.b32") == 2  # one word of 8 values: one table lookup per half
-
-
-def _bf16_kernel_ptx_and_fn():
-    import cutlass
-    import cutlass.cute as cute
+    per_word = 4 if bf16 else 2
 
     @cute.kernel
-    def convert(mIn: cute.Tensor, mOut: cute.Tensor, e: cutlass.Int32):
+    def convert(mIn: cute.Tensor, mOut: cute.Tensor, arg: cutlass.Int32):
         i = cute.arch.block_idx()[0] * 128 + cute.arch.thread_idx()[0]
         if i < cute.size(mIn):
-            words = e2m1.e2m1x8_to_bf16x8(cutlass.Int32(mIn[i]), e2m1.bf16_table(e))
-            for j in cutlass.range_constexpr(4):
-                mOut[4 * i + j] = words[j]
+            word = cutlass.Int32(mIn[i])
+            if cutlass.const_expr(bf16):
+                words = e2m1.e2m1x8_to_bf16x8(word, e2m1.bf16_table(arg))
+            else:
+                words = e2m1.e2m1x8_to_e4m3x8(word, e2m1.scaled_table(arg))
+            for j in cutlass.range_constexpr(per_word):
+                mOut[per_word * i + j] = words[j]
 
     @cute.jit
-    def launch(mIn: cute.Tensor, mOut: cute.Tensor, e: cutlass.Int32, blocks: cutlass.Int32, stream):
-        convert(mIn, mOut, e).launch(grid=[blocks, 1, 1], block=[128, 1, 1], stream=stream)
+    def launch(mIn: cute.Tensor, mOut: cute.Tensor, arg: cutlass.Int32, blocks: cutlass.Int32, stream):
+        convert(mIn, mOut, arg).launch(grid=[blocks, 1, 1], block=[128, 1, 1], stream=stream)
 
     from flashgemm.jit.options import compile_options
 
@@ -187,11 +156,24 @@ def _bf16_kernel_ptx_and_fn():
 
 
 @pytest.fixture(scope="module")
+def built():
+    from flashgemm.jit.arch import ensure_arch_env
+
+    ensure_arch_env("sm_90a")
+    return _kernel_ptx_and_fn(bf16=False)
+
+
+@pytest.fixture(scope="module")
 def built_bf16():
     from flashgemm.jit.arch import ensure_arch_env
 
     ensure_arch_env("sm_90a")
-    return _bf16_kernel_ptx_and_fn()
+    return _kernel_ptx_and_fn(bf16=True)
+
+
+def test_two_prmt_per_eight_values(built):
+    ptx, _ = built
+    assert ptx.count("prmt.b32") == 2  # one word of 8 values: one table lookup per half
 
 
 def test_bf16_eight_prmt_per_eight_values_and_four_per_table(built_bf16):
@@ -200,32 +182,30 @@ def test_bf16_eight_prmt_per_eight_values_and_four_per_table(built_bf16):
     assert ptx.count("prmt.b32") == 8 + 4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="needs a Hopper GPU")
+HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                            reason="needs a Hopper GPU")
+
+
+def _on_the_gpu(fn, arg, per_word, model):
+    """fn's outputs for random words and every byte value, against ``model(word)``
+    (the model is checked against torch above; any 32-bit pattern is a word of the layout)."""
+    words = torch.randint(-(1 << 31), 1 << 31, (4096,), dtype=torch.int64)
+    words[:256] = torch.arange(256) * 0x01010101 - (torch.arange(256) >= 128).long() * (1 << 32)  # every byte
+    src = words.to(torch.int32).cuda()
+    out = torch.full((per_word * src.numel(),), -1, dtype=torch.int32, device="cuda")
+    fn(src, out, arg, (src.numel() + 127) // 128)
+    torch.cuda.synchronize()
+    want = [v for w in words.tolist() for v in model(w & 0xFFFFFFFF)]
+    assert out.cpu().to(torch.int64).bitwise_and(0xFFFFFFFF).tolist() == want
+
+
+@HOPPER
 @pytest.mark.parametrize("d", [-9, -8, -7, -6, -5, 0, 6])
 def test_on_the_gpu_as_the_model(built, d, seed):
-    # the model is checked against torch above; any 32-bit pattern is a word of the layout
-    _, fn = built
-    words = torch.randint(-(1 << 31), 1 << 31, (4096,), dtype=torch.int64)
-    words[:256] = torch.arange(256) * 0x01010101 - (torch.arange(256) >= 128).long() * (1 << 32)  # every byte
-    src = words.to(torch.int32).cuda()
-    out = torch.full((2 * src.numel(),), -1, dtype=torch.int32, device="cuda")
-    fn(src, out, d, (src.numel() + 127) // 128)
-    torch.cuda.synchronize()
-    want = [v for w in words.tolist() for v in _model(w & 0xFFFFFFFF, d)]
-    assert out.cpu().to(torch.int64).bitwise_and(0xFFFFFFFF).tolist() == want
+    _on_the_gpu(built[1], d, 2, lambda w: _model(w, d))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="needs a Hopper GPU")
+@HOPPER
 @pytest.mark.parametrize("e", [0, 1, 2, 119, 127, 140, 252])
 def test_bf16_on_the_gpu_as_the_model(built_bf16, e, seed):
-    _, fn = built_bf16
-    words = torch.randint(-(1 << 31), 1 << 31, (4096,), dtype=torch.int64)
-    words[:256] = torch.arange(256) * 0x01010101 - (torch.arange(256) >= 128).long() * (1 << 32)  # every byte
-    src = words.to(torch.int32).cuda()
-    out = torch.full((4 * src.numel(),), -1, dtype=torch.int32, device="cuda")
-    fn(src, out, e, (src.numel() + 127) // 128)
-    torch.cuda.synchronize()
-    want = [v for w in words.tolist() for v in _bf16_model(w & 0xFFFFFFFF, e)]
-    assert out.cpu().to(torch.int64).bitwise_and(0xFFFFFFFF).tolist() == want
+    _on_the_gpu(built_bf16[1], e, 4, lambda w: _bf16_model(w, e))

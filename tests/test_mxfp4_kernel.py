@@ -101,19 +101,6 @@ def _args(e=2, m=8, n=256, k=512):
     return a, a_scale, b, b_scale, packed, scales, torch.full((e,), m, dtype=torch.int32)
 
 
-@pytest.fixture
-def cpu_launches(monkeypatch):
-    """The launcher on CPU tensors with the device checks and the launch stubbed."""
-    from flashgemm import api
-    from flashgemm.plan import PlanCache
-    from flashgemm.sm90 import build
-
-    calls = []
-    monkeypatch.setattr(api, "validate_device", lambda *args, **kw: 132)
-    monkeypatch.setattr(build, "get_kernel", lambda spec, *a, **kw: lambda *t: calls.append((spec, t)))
-    monkeypatch.setattr(api, "_PLANS", PlanCache())
-    return calls
-
 
 def test_format_follows_from_the_dtypes_and_the_kernel_gets_bytes(cpu_launches):
     from flashgemm import api

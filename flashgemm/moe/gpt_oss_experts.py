@@ -10,7 +10,9 @@ formula and the float reference):
    over the rows routed from token t (a [T, E] @ [E, H] product).
 
 MXFP4 weights (``mxfp4.prepare_weights``) take fp8 activations with 1x128
-scales; bf16 weights take bf16 activations. H and I need not be multiples
+scales (h then fp8 too) or bf16 activations (``Format.BF16_MXFP4``: h in
+bf16, the model's own precision); bf16 weights take bf16 activations. H and
+I need not be multiples
 of 128 and nothing is padded: the GEMMs' TMA fills a last partial k-tile
 with zeros, and h's last 1x128 scale block covers what is left (64 columns
 at I = 2880). Everything stays on the GPU: no host sync, CUDA-graph safe.
@@ -71,8 +73,8 @@ class GptOssExperts:
     def __call__(self, x: torch.Tensor, masked_m: torch.Tensor, combine: Combine, *,
                  x_scale: Optional[torch.Tensor] = None, expected_m: Optional[int] = None,
                  num_sms: Optional[int] = None):
-        """x: [E, max_m, H] (fp8 with ``x_scale`` [E, max_m, ceil(H/128)] for
-        MXFP4 weights, else bf16); masked_m: int32 [E] on the GPU; combine:
+        """x: [E, max_m, H], bf16, or for MXFP4 weights also fp8 with
+        ``x_scale`` [E, max_m, ceil(H/128)]; masked_m: int32 [E] on the GPU; combine:
         where each valid row goes (``combine.output`` fp32 or bf16 [T, H]).
         Returns ``(output, err)`` as ``grouped_gemm_nt_masked`` does."""
         if isinstance(combine, Combine) and combine.peers is not None:
@@ -88,8 +90,9 @@ class GptOssExperts:
                       {"x": x, "masked_m": masked_m, "x_scale": x_scale})
         gu = grouped_gemm_nt_masked(x, self.w13, None, masked_m, a_scale=x_scale, b_scale=self.w13_scale,
                                     expected_m=expected_m, num_sms=num_sms)
-        h = gpt_oss_swiglu(gu, self.b13, masked_m, fp8=self.mxfp4, num_sms=num_sms)
-        h, h_scale = h if self.mxfp4 else (h, None)
+        fp8 = x.dtype == torch.float8_e4m3fn  # (h in the activations' precision)
+        h = gpt_oss_swiglu(gu, self.b13, masked_m, fp8=fp8, num_sms=num_sms)
+        h, h_scale = h if fp8 else (h, None)
         result = grouped_gemm_nt_masked(h, self.w2, None, masked_m, a_scale=h_scale, b_scale=self.w2_scale,
                                         expected_m=expected_m, num_sms=num_sms, combine=combine)
         add_routed_bias(combine, masked_m, self.b2)
