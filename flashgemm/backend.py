@@ -176,6 +176,8 @@ def for_config(config) -> Backend:
 def check_format(backend: Backend, fmt: Format) -> None:
     """Refuse a format the backend has no kernel for, naming both."""
     if fmt not in backend.formats:
-        names = ", ".join(f.value for f in backend.formats) or "none"
-        raise ValueError(f"format {fmt.value!r} needs a Blackwell GPU (sm_100/sm_103); "
-                         f"this GPU's kernels ({backend.name}) take: {names}")
+        taken = ", ".join(f.value for f in backend.formats) or "none"
+        where = "needs a Blackwell GPU (sm_100/sm_103)"
+        if fmt in get("sm90").formats:  # (MXFP4 weights: converted in the Hopper kernels only)
+            where = "runs on Hopper (sm_90) only"
+        raise ValueError(f"format {fmt.value!r} {where}; this GPU's kernels ({backend.name}) take: {taken}")

@@ -168,3 +168,24 @@ def test_torch_compile_traces_bf16_activations_and_the_cpu_op_is_the_reference()
     bound = 2.0**-8 * ref.abs() + 258 * 2.0**-24 * (x.double().abs() @ w.abs().transpose(1, 2))
     for e, m in enumerate((4, 2)):
         assert ((out[e, :m].double() - ref[e, :m]).abs() <= bound[e, :m]).all()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_blackwell_gpu_refuses_mxfp4_weights_by_name(monkeypatch, fp8):
+    # the sm_100 kernels take no MXFP4 weights in the Hopper layout: refused before any launch
+    from flashgemm import api, backend
+    from flashgemm.plan import PlanCache
+    from flashgemm.quant import quantize_fp8_per_token
+
+    monkeypatch.setattr(api, "validate_device", lambda *args, **kw: 148)
+    monkeypatch.setattr(backend, "for_capability", lambda cap: backend.get("sm100"))
+    monkeypatch.setattr(api, "_PLANS", PlanCache())
+    x, b, b_scale, *_, mm = _args()
+    a_scale = None
+    if fp8:
+        x, a_scale = quantize_fp8_per_token(x.float())
+    name = "fp8_mxfp4" if fp8 else "bf16_mxfp4"
+    with pytest.raises(ValueError, match=rf"format '{name}' runs on Hopper \(sm_90\) only; this GPU's kernels "
+                                         r"\(sm100\) take: "):
+        api.grouped_gemm_nt_masked(x, b, torch.empty(2, 8, 256, dtype=torch.bfloat16), mm, a_scale=a_scale,
+                                   b_scale=b_scale)

@@ -43,8 +43,8 @@ from cutlass import Int32, Uint32
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
 from ..device.e2m1 import MAX_SHIFT, bf16_table, e2m1x8_to_bf16x8, e2m1x8_to_e4m3x8, scaled_table
-from ..formats import Format
 from ..device.layout import batch_last
+from ..formats import Format
 from . import barriers
 from .storage import MAX_CONVERTER_WARPS
 from .walk import start_walk, to_next_unit
