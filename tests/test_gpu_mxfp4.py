@@ -280,3 +280,32 @@ def test_layer_with_mxfp4_weights_fused_swiglu_and_combine(seed):
     # to one e4m3 step (2**-3 relative) in that element: DeepGEMM's similarity bar
     # (1e-3) measures the whole output instead of such single elements
     assert similarity(out, ref.float()) < 1e-3
+
+
+def test_layer_with_mxfp4_weights_and_bf16_activations(seed):
+    """``MaskedExperts`` on MXFP4 weights with bf16 x (gate_up with the bf16
+    SwiGLU fused, h bf16, down with the fp32 combine fused) against
+    ``moe_experts_ref`` on the same dequantized weights: the bar for bf16
+    activations (1e-4); where gate_up's accumulation order flips a bf16
+    rounding, h moves by one bf16 step in that element."""
+    from flashgemm import Combine
+    from flashgemm.moe.layer import MaskedExperts, moe_experts_ref
+
+    e_count, tokens, hidden, inter = 8, 64, 1024, 256
+    x = torch.randn(e_count, tokens, hidden, device="cuda").bfloat16()
+    w13 = torch.randn(e_count, 2 * inter, hidden, device="cuda") / hidden**0.5
+    w2 = torch.randn(e_count, hidden, inter, device="cuda") / inter**0.5
+    (b13, s13), (b2, s2) = prepare_weights(*quantize_mxfp4(w13)), prepare_weights(*quantize_mxfp4(w2))
+    layer = MaskedExperts(b13, b2, w13_scale=s13, w2_scale=s2)
+    masked = [64, 0, 3, 17, 64, 1, 40, -2]
+    masked_m = torch.tensor(masked, dtype=torch.int32, device="cuda")
+    tok = torch.stack([torch.randperm(tokens) for _ in range(e_count)]).to(torch.int32).cuda()
+    wt = torch.rand(e_count, tokens, device="cuda")
+    out = torch.zeros(tokens, hidden, device="cuda")
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    layer(x, masked_m, combine=Combine(tok, wt, out, err))
+    ref = moe_experts_ref(x, masked_m, b13, b2, w13_scale=s13, w2_scale=s2, token_index=tok, weight=wt,
+                          num_tokens=tokens)
+    torch.cuda.synchronize()
+    assert int(err.item()) == 0
+    assert similarity(out, ref) < 1e-4

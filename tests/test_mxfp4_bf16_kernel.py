@@ -189,3 +189,46 @@ def test_a_blackwell_gpu_refuses_mxfp4_weights_by_name(monkeypatch, fp8):
                                          r"\(sm100\) take: "):
         api.grouped_gemm_nt_masked(x, b, torch.empty(2, 8, 256, dtype=torch.bfloat16), mm, a_scale=a_scale,
                                    b_scale=b_scale)
+
+
+def test_torch_compile_traces_the_fused_swiglu_with_mxfp4_weights_and_bf16_x():
+    from flashgemm.moe.activation import silu_mul_ref
+    from flashgemm.moe.gate_up import InterleavedW13, gate_up_swiglu, interleave_w13
+    from flashgemm.reference import grouped_gemm_nt_masked_ref
+
+    e_count, max_m, hidden, inter = 3, 16, 256, 128
+    mm = torch.tensor([0, 5, 16], dtype=torch.int32)
+    x = torch.randn(e_count, max_m, hidden, dtype=torch.bfloat16)
+    w13, s13 = prepare_weights(*quantize_mxfp4(torch.randn(e_count, 2 * inter, hidden) / 16))
+    wi, si = interleave_w13(w13, s13)
+
+    def f(x, wi, mm, si):
+        return gate_up_swiglu(x, InterleavedW13(wi, si), mm, expected_m=8).float().sum(-1)
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="eager")(x, wi, mm, si)
+    gu = grouped_gemm_nt_masked_ref(x, w13, mm, b_scale=s13).to(torch.bfloat16)
+    want = silu_mul_ref(gu, mm, fp8=False).float().sum(-1)
+    valid = torch.arange(max_m)[None, :] < mm[:, None]
+    assert torch.equal(got[valid], want[valid])
+    torch.library.opcheck(torch.ops.flashgemm.gate_up_swiglu, (x, wi, mm, None, si), {"expected_m": 8},
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fused_swiglu_plans_the_bf16_activation_build(cpu_launches, monkeypatch):
+    from flashgemm.moe import gate_up
+    from flashgemm.moe.gate_up import InterleavedW13, interleave_w13
+
+    monkeypatch.setattr(gate_up, "validate_device", lambda *args, **kw: 132)
+    monkeypatch.setattr(gate_up, "_PLANS", gate_up.PlanCache())
+    x = torch.randn(2, 8, 256, dtype=torch.bfloat16)
+    w13, s13 = prepare_weights(*quantize_mxfp4(torch.randn(2, 256, 256)))
+    wi = InterleavedW13(*interleave_w13(w13, s13))
+    mm = torch.full((2,), 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="bfloat16 a takes no a_scale"):
+        gate_up.gate_up_swiglu(x, wi, mm, x_scale=torch.ones(2, 8, 2))
+    assert not cpu_launches
+    h = gate_up.gate_up_swiglu(x, wi, mm)
+    spec, tensors = cpu_launches[-1]
+    assert spec.fmt is MX and spec.epilogue is Epilogue.SWIGLU_BF16
+    assert h.dtype == torch.bfloat16 and tuple(h.shape) == (2, 8, 128) and tensors[1].dtype == torch.int8

@@ -174,14 +174,15 @@ def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m,
     """Every check, before anything launches; ``tensors``: the same by launch slot."""
     check_tensor("x", x, 3, (FP8, torch.bfloat16))
     fp8 = x.dtype == FP8
-    mxfp4 = fp8 and isinstance(w13, torch.Tensor) and w13.dtype == torch.int8
+    mxfp4 = isinstance(w13, torch.Tensor) and w13.dtype == torch.int8  # (with fp8 or bf16 x)
     check_tensor("w13", w13, 3, (torch.int8,) if mxfp4 else (x.dtype,))
     e_count, max_m, hidden = x.shape
     inter = _check_inter(w13, fp8)
     two_i = 2 * inter
     scale_view = None
     if mxfp4:
-        validate_mxfp4_weight_args(x, w13, None, masked_m, x_scale, w13_scale)
+        validate_mxfp4_weight_args(x, w13, None, masked_m, x_scale, w13_scale,
+                                   Format.FP8_MXFP4 if fp8 else Format.BF16_MXFP4)
     elif fp8:
         check_tensor("w13_scale", w13_scale, 3, (torch.float32,))
         want = (e_count, two_i // SWIGLU_GRANULE, -(-hidden // SCALE_BLOCK))
@@ -216,7 +217,10 @@ def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m,
                          f"sm_{capability[0]}{capability[1]}")
     if fp8 and grid_cap < 2:
         raise ValueError(f"num_sms must be >= 2 for fp8 (the fused SwiGLU runs 2-CTA clusters), got {grid_cap}")
-    fmt = Format.FP8_MXFP4 if mxfp4 else Format.FP8_BLOCK128 if fp8 else Format.BF16
+    if mxfp4:
+        fmt = Format.FP8_MXFP4 if fp8 else Format.BF16_MXFP4
+    else:
+        fmt = Format.FP8_BLOCK128 if fp8 else Format.BF16
     return be.make_plan(backends.GemmCall(
         fmt=fmt, sizes=(e_count, max_m, two_i, hidden),
         tensors=tensors, routing=(), combine=None, expected_m=expected_m, config=None, granularity="m_block",

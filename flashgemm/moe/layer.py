@@ -45,8 +45,9 @@ class MaskedExperts:
     2I/128, H/128], ``w2_scale`` [E, H/128, I/128]: DeepSeek-V3's recipe), or
     bf16 without scales, or MXFP4 as ``mxfp4.prepare_weights`` makes it (int8
     w13 [E, 2I, H/2] and w2 [E, H, I/2], their E8M0 exponents [E, 2I, H/32] /
-    [E, H, I/32] as the scales; x then fp8). I must be a multiple of 128 for
-    fp8 activations (8 for bf16; 64 for ``ActivationPath.FUSED``).
+    [E, H, I/32] as the scales; x then fp8 or bf16, h the same). I must be a
+    multiple of 128 for fp8 activations (8 for bf16; 64 for
+    ``ActivationPath.FUSED``).
 
     ``activation``: an :class:`ActivationPath`, or None for FUSED where the
     shape allows it (I a multiple of 64: always for fp8) and SEPARATE
@@ -115,7 +116,7 @@ class MaskedExperts:
         num_sms: Optional[int] = None,
     ):
         """x: [E, max_m, H] (fp8 with ``x_scale`` [E, max_m, H/128] for an fp8
-        layer, else bf16); masked_m: int32 [E] on the GPU.
+        layer, else bf16; MXFP4 weights take either); masked_m: int32 [E] on the GPU.
 
         With ``combine`` the down GEMM reduce-adds each valid row, times its
         routing weight, into ``combine.output`` (fp32 or bf16 [T, H]) and the call
@@ -136,17 +137,18 @@ class MaskedExperts:
         if x.shape[0] != self.num_experts or x.shape[-1] != self.hidden:
             raise ValueError(f"x must be [E={self.num_experts}, max_m, H={self.hidden}], got {tuple(x.shape)}")
         h_scale = None
+        fp8 = x.dtype == FP8 if self.mxfp4 else self.fp8  # (h in the activations' precision)
         if self.activation is ActivationPath.FUSED:
             h = gate_up_swiglu(x, self.w13_interleaved, masked_m, x_scale=x_scale,
                                expected_m=expected_m, num_sms=num_sms)
-            if self.fp8:
+            if fp8:
                 h, h_scale = h
         else:
             gate_up = grouped_gemm_nt_masked(
                 x, self.w13, None, masked_m, a_scale=x_scale, b_scale=self.w13_scale,
                 expected_m=expected_m, num_sms=num_sms,
             )
-            if self.fp8:
+            if fp8:
                 h, h_scale = silu_mul(gate_up, masked_m, fp8=True, num_sms=num_sms)
             else:
                 h = silu_mul(gate_up, masked_m, fp8=False, num_sms=num_sms)
@@ -185,7 +187,7 @@ def moe_experts_ref(
         hq, hs = quantize_fp8_per_token(h)
         y = grouped_gemm_nt_masked_ref(hq, w2, masked_m, a_scale=hs, b_scale=w2_scale)
     else:
-        y = grouped_gemm_nt_masked_ref(h.to(torch.bfloat16), w2, masked_m)
+        y = grouped_gemm_nt_masked_ref(h.to(torch.bfloat16), w2, masked_m, b_scale=w2_scale)  # (MXFP4 w2: exponents)
     y = y.to(torch.bfloat16).float() * valid[..., None]
     if token_index is None:
         return y
