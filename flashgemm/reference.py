@@ -35,22 +35,21 @@ def grouped_gemm_nt_masked_ref(
 
     Returns a tensor of dtype ``acc_dtype`` (round it to compare with a bf16 result).
     """
+    mxfp4 = b.dtype == torch.int8  # (prepared MXFP4 weights, with fp8 or bf16 a)
     if a.dtype == torch.float8_e4m3fn:
         if a_scale is None or b_scale is None:
             raise ValueError("float8_e4m3fn operands need a_scale and b_scale")
         a = dequantize_fp8_per_token(a, a_scale)
-        if b.dtype == torch.int8:
-            from .mxfp4 import dequantize_mxfp4, unprepare_weights
-
-            b = dequantize_mxfp4(*unprepare_weights(b, b_scale))
-        else:
+        if not mxfp4:
             b = dequantize_fp8_per_block(b, b_scale)
-    elif b.dtype == torch.int8 and a_scale is None and b_scale is not None:
+    elif a_scale is not None or (b_scale is not None and not mxfp4):
+        raise ValueError(f"scales are only for float8_e4m3fn operands or MXFP4 weights, got {a.dtype}")
+    if mxfp4:
+        if b_scale is None:
+            raise ValueError("MXFP4 weights (int8 b) need b_scale, their E8M0 exponents")
         from .mxfp4 import dequantize_mxfp4, unprepare_weights
 
         b = dequantize_mxfp4(*unprepare_weights(b, b_scale))
-    elif a_scale is not None or b_scale is not None:
-        raise ValueError(f"scales are only for float8_e4m3fn operands or MXFP4 weights, got {a.dtype}")
     e_count, max_m, _ = a.shape
     n = b.shape[1]
     if out is not None:

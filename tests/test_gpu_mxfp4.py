@@ -42,16 +42,20 @@ POISON = -12345.0
 GUARD = 4096
 
 
-def _case(e_count, max_m, n, k, masked, spread=4.0):
+def _operands(e_count, max_m, n, k, masked, spread):
+    """float32 x, the MXFP4 weights (packed, scales) and masked_m on the GPU:
+    rows and 32-groups of different magnitudes, so every exponent path is used."""
     dev = "cuda"
     x = torch.randn(e_count, max_m, k, device=dev) * torch.rand(e_count, max_m, 1, device=dev).mul(spread).exp2()
-    # rows and 32-groups of different magnitudes, so every exponent path is used
     w = torch.randn(e_count, n, k, device=dev) / k**0.5
     w = w * torch.rand(e_count, n, k // 32, 1, device=dev).mul(spread).exp2().repeat_interleave(32, -2).flatten(-2)
+    return x, quantize_mxfp4(w), torch.tensor(masked, dtype=torch.int32, device=dev)
+
+
+def _case(e_count, max_m, n, k, masked, spread=4.0):
+    x, (packed, scales), masked_m = _operands(e_count, max_m, n, k, masked, spread)
     a, a_scale = quantize_fp8_per_token(x)
-    packed, scales = quantize_mxfp4(w)
     b, b_scale = prepare_weights(packed, scales)
-    masked_m = torch.tensor(masked, dtype=torch.int32, device=dev)
     return a, a_scale, b, b_scale, dequantize_mxfp4(packed, scales), masked_m
 
 
@@ -163,15 +167,10 @@ def test_e8m0_dtype_and_graph_replay(seed):
 
 
 def _bf16_case(e_count, max_m, n, k, masked, spread=4.0):
-    """bf16 activations (rows of different magnitudes) and MXFP4 weights as in
-    ``_case``; returns (x, b, b_scale, the kernel's weights, masked_m)."""
-    dev = "cuda"
-    x = torch.randn(e_count, max_m, k, device=dev) * torch.rand(e_count, max_m, 1, device=dev).mul(spread).exp2()
-    w = torch.randn(e_count, n, k, device=dev) / k**0.5
-    w = w * torch.rand(e_count, n, k // 32, 1, device=dev).mul(spread).exp2().repeat_interleave(32, -2).flatten(-2)
-    packed, scales = quantize_mxfp4(w)
+    """bf16 activations and MXFP4 weights as in ``_case``; returns (x, b,
+    b_scale, the kernel's weights, masked_m)."""
+    x, (packed, scales), masked_m = _operands(e_count, max_m, n, k, masked, spread)
     b, b_scale = prepare_weights(packed, scales)
-    masked_m = torch.tensor(masked, dtype=torch.int32, device=dev)
     return x.bfloat16(), b, b_scale, dequantize_as_kernel(packed, scales, None), masked_m
 
 

@@ -20,7 +20,7 @@ from ..config import SWIGLU_GRANULE, Epilogue
 from ..formats import Format
 from ..jit.arch import default_arch, device_facts
 from ..plan import PlanCache, planned
-from ..blockscaled_args import validate_mxfp4_weight_args
+from ..blockscaled_args import infer_format, validate_mxfp4_weight_args
 from ..mxfp4 import n_contiguous
 from ..validation import (
     FP8,
@@ -217,10 +217,7 @@ def _make_plan(x, w13, masked_m, x_scale, w13_scale, out, out_scale, expected_m,
                          f"sm_{capability[0]}{capability[1]}")
     if fp8 and grid_cap < 2:
         raise ValueError(f"num_sms must be >= 2 for fp8 (the fused SwiGLU runs 2-CTA clusters), got {grid_cap}")
-    if mxfp4:
-        fmt = Format.FP8_MXFP4 if fp8 else Format.BF16_MXFP4
-    else:
-        fmt = Format.FP8_BLOCK128 if fp8 else Format.BF16
+    fmt = infer_format(x, x_scale, w13)
     return be.make_plan(backends.GemmCall(
         fmt=fmt, sizes=(e_count, max_m, two_i, hidden),
         tensors=tensors, routing=(), combine=None, expected_m=expected_m, config=None, granularity="m_block",
