@@ -11,7 +11,10 @@ that run on Firecracker; leave the clocks alone):
         python tools/profile_case.py dense-like --dtype fp8
 
 The first calls compile (or load) the kernel; ``--launch-skip`` passes
-over them.
+over them. With ``--range`` the last call alone runs between
+``cudaProfilerStart`` and ``cudaProfilerStop``, for ``ncu --profile-from-start
+off``; ``tools/ncu_regions.py`` sums such a launch's stall samples by code
+region. ``--dtype mxfp4``: fp8 activations, the weights quantized to MXFP4.
 """
 
 from __future__ import annotations
@@ -33,25 +36,36 @@ from common import (  # noqa: E402
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("case", help="a case name of the benchmark's case file")
-    p.add_argument("--dtype", choices=["bf16", "fp8"], default="fp8")
+    p.add_argument("--dtype", choices=["bf16", "fp8", "mxfp4"], default="fp8")
     p.add_argument("--dist", choices=DISTRIBUTIONS, default="uniform")
     p.add_argument("--calls", type=int, default=4)
     p.add_argument("--config", help=f"a config short name instead of the heuristic's: {CONFIG_NAME_HELP}")
+    p.add_argument("--range", action="store_true", help="profile only the last call (cudaProfilerStart/Stop)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_case.py needs a CUDA GPU")
     ((seed, case),) = cases_by_name([args.case], p.error)
-    fp8 = args.dtype == "fp8"
     masked_m = draw_masked_m(case, seed, args.dist).cuda()
-    a, b, a_scale, b_scale = case_operands(case, seed, fp8)
+    a, b, a_scale, b_scale = case_operands(case, seed, args.dtype == "fp8")
+    if args.dtype == "mxfp4":
+        from flashgemm.mxfp4 import prepare_weights, quantize_mxfp4
+        from flashgemm.quant import quantize_fp8_per_token
+
+        a, a_scale = quantize_fp8_per_token(a)
+        b, b_scale = prepare_weights(*quantize_mxfp4(b.float()))
     out = torch.empty(case["E"], case["max_m"], case["N"], device="cuda", dtype=torch.bfloat16)
     config = parse_config(args.config) if args.config else None
-    for _ in range(args.calls):
+    for call in range(args.calls):
+        if args.range and call == args.calls - 1:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
         flashgemm.grouped_gemm_nt_masked(
             a, b, out, masked_m, expected_m=case["expected_m"], a_scale=a_scale, b_scale=b_scale,
             config=config,
         )
     torch.cuda.synchronize()
+    if args.range:
+        torch.cuda.cudart().cudaProfilerStop()
     print(f"{args.case} {args.dtype} {args.dist}: {args.calls} calls")
 
 
