@@ -39,6 +39,9 @@ def test_ptx_converts_with_table_lookups_and_hands_over_by_mbarrier(decode_ptx):
     assert ptx.count("prmt.b32") == 8 * 4 * 2
     # each group leaves in two 16-byte shared stores at its swizzled place
     assert ptx.count("st.shared.v4.b32") >= 8 * 2
+    # and takes its shifted table (two words) from the team's copy in shared
+    # memory, one load per group; the copy is written once per launch
+    assert ptx.count("ld.shared.v2.b32") >= 8
     # the team's barrier (a run-time id, 64 threads), the async-proxy fence before the handover
     assert re.search(r"bar\.sync\s+%r\d+, 64;", ptx)
     assert "fence.proxy.async.shared::cta" in ptx

@@ -9,7 +9,10 @@ layout) and its (tile_n x tile_k / 32) E8M0 bytes; the converted B lives in
 % that). A k-tile row of B is one 128-byte swizzle row either way: 128 e4m3
 or 64 bf16 values. The converter warps work in teams of ``TEAM_WARPS``:
 team t converts the slots whose sequence number is t modulo the team count,
-so several slots convert at once. Per slot, once its loads landed:
+so several slots convert at once, and steps from one of its slots to the
+next. For e4m3 each team first writes ``scaled_table(d)`` for every shift d
+into shared memory, so that a group's table is one load. Per slot, once its
+loads landed:
 
 1. each thread reads its groups' exponents (a group: 32 values of one row);
    e4m3 only: the tile's largest, s_max, is reduced over the team (a warp
@@ -19,7 +22,8 @@ so several slots convert at once. Per slot, once its loads landed:
    bytes) and stores them at their 128-byte-swizzled place in the slot's B
    buffer, once the ring slot that last used that buffer has been released
    (its wgmma retired: the ring's empty barrier). e4m3: the group's exponent
-   folded in as 2**(s - s_max + 6) (``device.e2m1.scaled_table``); bf16:
+   folded in as 2**(s - s_max + 6) (the team's copy of
+   ``device.e2m1.scaled_table``); bf16:
    as 2**(s - 127), exactly (``device.e2m1.bf16_table``);
 3. e4m3 only: thread 0 of the team writes the slot's weight scale
    2**(s_max - 6 - 127) into both sSFB entries, where the fp8 recipe's
@@ -42,11 +46,11 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32, Uint32
 from cutlass.cutlass_dsl import extract_mlir_values, new_from_mlir_values
 
-from ..device.e2m1 import MAX_SHIFT, bf16_table, e2m1x8_to_bf16x8, e2m1x8_to_e4m3x8, scaled_table
+from ..device.e2m1 import MAX_SHIFT, MIN_SHIFT, bf16_table, e2m1x8_to_bf16x8, e2m1x8_to_e4m3x8, scaled_table
 from ..device.layout import batch_last
 from ..formats import Format
 from . import barriers
-from .storage import MAX_CONVERTER_WARPS
+from .storage import CONVERTER_TABLE_WORDS, MAX_CONVERTER_WARPS
 from .walk import start_walk, to_next_unit
 
 CHUNK = 16  # bytes of one 16-byte bank group of a swizzled row
@@ -55,6 +59,11 @@ GROUP = 32  # values per E8M0 exponent
 # warps per converter team: the teams convert alternate slots at once, each
 # slot by one team (its warps share the slot's largest exponent)
 TEAM_WARPS = 2
+MAX_TEAMS = MAX_CONVERTER_WARPS // TEAM_WARPS
+# e4m3: each team's copy of scaled_table(d) for d in [MIN_SHIFT - 1, MAX_SHIFT],
+# entry d - MIN_SHIFT + 1 (entry 0: a flushed group's zeros)
+TABLE_ENTRIES = MAX_SHIFT - MIN_SHIFT + 2
+assert 2 * TABLE_ENTRIES * MAX_TEAMS == CONVERTER_TABLE_WORDS
 
 
 class ConverterSmem(NamedTuple):
@@ -66,6 +75,7 @@ class ConverterSmem(NamedTuple):
     scale_bits: object  # e4m3: (2, stages) Int32 view of sSFB; bf16: None
     maxima: cute.Tensor  # (TEAM_WARPS, 2, teams) Int32: each team warp's s_max, per visit parity
     converted: object  # mbarrier pointer: one per slot
+    tables: cute.Tensor  # (2 * TABLE_ENTRIES, teams) Int32: e4m3 tables (lo, hi) by shift, per team
 
 
 def packed_smem_layout(tile_n: int, tile_k: int, stages: int):
@@ -119,9 +129,9 @@ def converter_smem(storage, sB: cute.Tensor, sSFB, tile_n: int, tile_k: int, sta
         cute.make_tensor(storage.sBsf.data_ptr(), cute.make_layout((tile_n * tile_k // GROUP, stages))),
         cute.make_tensor(cute.recast_ptr(sB.iterator, dtype=Uint32), cute.make_layout((tile_n * ROW_BYTES // 4, buffers))),
         None if sSFB is None else cute.make_tensor(cute.recast_ptr(sSFB.iterator, dtype=Int32), sSFB.layout),
-        cute.make_tensor(storage.conv_max.data_ptr(),
-                         cute.make_layout((TEAM_WARPS, 2, MAX_CONVERTER_WARPS // TEAM_WARPS))),
+        cute.make_tensor(storage.conv_max.data_ptr(), cute.make_layout((TEAM_WARPS, 2, MAX_TEAMS))),
         storage.conv_mbar.data_ptr(),
+        cute.make_tensor(storage.conv_tables.data_ptr(), cute.make_layout((2 * TABLE_ENTRIES, MAX_TEAMS))),
     )
 
 
@@ -176,28 +186,39 @@ class WeightConverter:
     def run(self, ctid, walk_args, feed, balance, ab_pipeline, smem: ConverterSmem, k_tile_cnt):
         """Convert every slot the producer fills, for every tile of this role's
         walk (the same tiles as the producer's): team t takes the slots whose
-        sequence number is t modulo the team count."""
+        sequence number is t modulo the team count, and steps from one to
+        the next without visiting the others."""
         team = ctid // self.team_threads
+        ttid = ctid % self.team_threads
         barrier = pipeline.NamedBarrier(barrier_id=barriers.CONVERTERS + team, num_threads=self.team_threads)
+        if cutlass.const_expr(not self.bf16):
+            # the team's shift tables, once: a group's table is then one load
+            if ttid < TABLE_ENTRIES:
+                lo, hi = scaled_table(ttid + (MIN_SHIFT - 1))
+                smem.tables[(2 * ttid, team)] = lo
+                smem.tables[(2 * ttid + 1, team)] = hi
+            barrier.arrive_and_wait()
         sched, used = start_walk(self.config, walk_args, feed, None, balance)
         work = sched.work()
+        # the team's next slot; its count is the slot's sequence number
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        seq = Int32(0)
+        if team > 0:
+            state.advance(team)
+        tile_end = Int32(0)
         visits = Int32(0)
         while work.is_valid:
-            for k_tile in cutlass.range(k_tile_cnt, unroll=1):
-                if seq % self.teams == team:
-                    ab_pipeline.consumer_wait(state)
-                    # the B buffer is free once the slot that last used it was released
-                    earlier = state.index - self.buffers
-                    if earlier >= 0:
-                        ab_pipeline.sync_object_empty.wait(earlier, state.phase)
-                    else:
-                        ab_pipeline.sync_object_empty.wait(earlier + self.stages, state.phase ^ 1)
-                    self.convert_slot(smem, state.index, visits % 2, ctid % self.team_threads, team, barrier)
-                    visits += 1
-                state.advance()
-                seq += 1
+            tile_end += k_tile_cnt
+            while state.count < tile_end:
+                ab_pipeline.consumer_wait(state)
+                # the B buffer is free once the slot that last used it was released
+                earlier = state.index - self.buffers
+                if earlier >= 0:
+                    ab_pipeline.sync_object_empty.wait(earlier, state.phase)
+                else:
+                    ab_pipeline.sync_object_empty.wait(earlier + self.stages, state.phase ^ 1)
+                self.convert_slot(smem, state.index, visits % 2, ttid, team, barrier)
+                visits += 1
+                state.advance(self.teams)
             used = to_next_unit(self.config, sched, feed, used)
             work = sched.work()
 
@@ -224,9 +245,9 @@ class WeightConverter:
                 barrier.arrive_and_wait()
                 s_max = _max_tree([smem.maxima[(w, parity, team)] for w in range(TEAM_WARPS)])
             base = s_max - MAX_SHIFT  # the slot scale's biased exponent
-            # 2. convert and store
-            self.store_groups(smem, stage % self.buffers, [scaled_table(e - base) for e in exps], packed, group,
-                              row0, step, passes)
+            # 2. convert and store, each group's table looked up by its shift (below MIN_SHIFT: entry 0, zeros)
+            tables = [self.table(smem, team, cutlass.max(e - base - (MIN_SHIFT - 1), Int32(0))) for e in exps]
+            self.store_groups(smem, stage % self.buffers, tables, packed, group, row0, step, passes)
             # 3. the slot's weight scale, as fp32 bits (0 for a tile whose values are all below 2**-126)
             if ttid == 0:
                 bits = Int32(0)
@@ -239,6 +260,13 @@ class WeightConverter:
         cute.arch.sync_warp()
         if lane == 0:
             cute.arch.mbarrier_arrive(smem.converted + stage)
+
+    def table(self, smem: ConverterSmem, team, entry):
+        """(lo, hi) of the team's table ``entry`` (traced inline)."""
+        src = cute.make_tensor(smem.tables[(None, team)].iterator + 2 * entry, cute.make_layout(2))
+        words = cute.make_rmem_tensor((2,), Int32)
+        cute.autovec_copy(src, words)
+        return words[0], words[1]
 
     def load_groups(self, smem: ConverterSmem, stage, group, row0, step, passes):
         """Every load of the slot first (one dependent chain per group would

@@ -12,6 +12,8 @@ from ..schedule.dynamic import FEED_STAGES
 from .epilogue import SIGNAL_STAGES
 
 MAX_CONVERTER_WARPS = 8
+# the converter teams' e4m3 tables: 4 teams at most, 16 tables of two words each (``converter``)
+CONVERTER_TABLE_WORDS = 4 * 16 * 2
 
 
 def shared_storage(config: GemmConfig, ab, out, stages, a_layout, b_layout, d_layout, sfa_layout, sfb_layout,
@@ -42,6 +44,8 @@ def shared_storage(config: GemmConfig, ab, out, stages, a_layout, b_layout, d_la
         fields["sBsf"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, converted_tile_n * tile_k // 32 * stages], 128]
         # the converter warps' exponent maxima, per slot parity (``converter``)
         fields["conv_max"] = cute.struct.Align[cute.struct.MemRange[Int32, 2 * MAX_CONVERTER_WARPS], 16]
+        # each team's e4m3 tables by shift (``converter``)
+        fields["conv_tables"] = cute.struct.Align[cute.struct.MemRange[Int32, CONVERTER_TABLE_WORDS], 16]
     if config.tail is Tail.BALANCE and config.order is not TileOrder.N_MAJOR:
         fields["active"] = cute.struct.MemRange[Int32, 1]  # the producer's count
     if config.order is TileOrder.DYNAMIC:
