@@ -21,13 +21,13 @@ MX = Format.FP8_MXFP4
 DECODE = GemmConfig(tile_m=64, tile_n=128, cluster_n=2, order=TileOrder.DYNAMIC, a_chunk_rows=32, l2_hints=True)
 
 
-@pytest.fixture(scope="module")
-def decode_ptx():
-    from flashgemm.jit.arch import ensure_arch_env
-    from flashgemm.sm90.build import build
+# built by the listing run when one runs (conftest.kernel_ptx)
+PTX_SPECS = (KernelSpec(DECODE, MX, "m_block"),)
 
-    ensure_arch_env("sm_90a")
-    return build(KernelSpec(DECODE, MX, "m_block"), "sm_90a", keep_ptx=True).__ptx__
+
+@pytest.fixture(scope="module")
+def decode_ptx(kernel_ptx):
+    return kernel_ptx(PTX_SPECS[0])
 
 
 def test_ptx_converts_with_table_lookups_and_hands_over_by_mbarrier(decode_ptx):

@@ -60,9 +60,10 @@ GROUP = 32  # values per E8M0 exponent
 # slot by one team (its warps share the slot's largest exponent)
 TEAM_WARPS = 2
 MAX_TEAMS = MAX_CONVERTER_WARPS // TEAM_WARPS
-# e4m3: each team's copy of scaled_table(d) for d in [MIN_SHIFT - 1, MAX_SHIFT],
-# entry d - MIN_SHIFT + 1 (entry 0: a flushed group's zeros)
-TABLE_ENTRIES = MAX_SHIFT - MIN_SHIFT + 2
+# e4m3: each team's copy of scaled_table(d) for d in [TABLE_FIRST_SHIFT, MAX_SHIFT],
+# entry d - TABLE_FIRST_SHIFT (entry 0: a flushed group's zeros)
+TABLE_FIRST_SHIFT = MIN_SHIFT - 1
+TABLE_ENTRIES = MAX_SHIFT - TABLE_FIRST_SHIFT + 1
 assert 2 * TABLE_ENTRIES * MAX_TEAMS == CONVERTER_TABLE_WORDS
 
 
@@ -194,7 +195,7 @@ class WeightConverter:
         if cutlass.const_expr(not self.bf16):
             # the team's shift tables, once: a group's table is then one load
             if ttid < TABLE_ENTRIES:
-                lo, hi = scaled_table(ttid + (MIN_SHIFT - 1))
+                lo, hi = scaled_table(ttid + TABLE_FIRST_SHIFT)
                 smem.tables[(2 * ttid, team)] = lo
                 smem.tables[(2 * ttid + 1, team)] = hi
             barrier.arrive_and_wait()
@@ -246,7 +247,7 @@ class WeightConverter:
                 s_max = _max_tree([smem.maxima[(w, parity, team)] for w in range(TEAM_WARPS)])
             base = s_max - MAX_SHIFT  # the slot scale's biased exponent
             # 2. convert and store, each group's table looked up by its shift (below MIN_SHIFT: entry 0, zeros)
-            tables = [self.table(smem, team, cutlass.max(e - base - (MIN_SHIFT - 1), Int32(0))) for e in exps]
+            tables = [self.table(smem, team, cutlass.max(e - base - TABLE_FIRST_SHIFT, Int32(0))) for e in exps]
             self.store_groups(smem, stage % self.buffers, tables, packed, group, row0, step, passes)
             # 3. the slot's weight scale, as fp32 bits (0 for a tile whose values are all below 2**-126)
             if ttid == 0:
