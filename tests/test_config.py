@@ -27,7 +27,10 @@ from flashgemm.sm90.heuristic import (
     choose_config,
     reachable_specs,
 )
-from flashgemm.sm90.limits import SMEM_BYTES, check_config, resolved_stages, smem_bytes
+from flashgemm.sm90.limits import (
+    CONVERTER_REGS, PRODUCER_REGS, SMEM_BYTES, check_config, consumer_regs, converter_warpgroups, resolved_stages,
+    smem_bytes,
+)
 
 BF16, FP8 = Format.BF16, Format.FP8_BLOCK128
 BF16_SPECS = reachable_specs(BF16)
@@ -106,6 +109,31 @@ def test_every_heuristic_config_is_valid_and_fits():
         assert resolved_stages(cfg, BF16) >= 4  # deep enough to keep weight loads in flight
         assert smem_bytes(cfg, BF16) <= 232448 == SMEM_BYTES
         assert not cfg.n_major  # the bf16 tiles lost with it (docs/design.md)
+
+
+def test_register_split_fits_the_launch_allocation():
+    """setmaxnreg.inc only takes registers that other warps of the CTA gave
+    back, so a split over the launch allocation waits forever (ptxas gives
+    a setmaxnreg kernel 64K registers over its threads, in multiples of 8):
+    every reachable kernel's roles fit. The split once tried for two
+    consumers beside two converter warpgroups (168 registers per consumer)
+    did not, and hung on the GPU (docs/design.md)."""
+    def fits(consumers, converters, producer=PRODUCER_REGS, converter=CONVERTER_REGS, consumer=None):
+        warpgroups = consumers + 1 + converters
+        launch = 65536 // (128 * warpgroups) // 8 * 8
+        if consumer is None:
+            consumer = consumer_regs(consumers, converters)
+        return producer + converter * converters + consumer * consumers <= launch * warpgroups
+
+    specs = reachable_specs()
+    assert {s.fmt for s in specs} >= {BF16, FP8, Format.FP8_MXFP4, Format.BF16_MXFP4}
+    for spec in specs:
+        cfg = spec.config
+        converters = converter_warpgroups(cfg.consumer_warpgroups) if spec.fmt.converts_weights else 0
+        assert fits(cfg.consumer_warpgroups, converters), spec
+    # 640 threads launch at 96 registers: 24 + 2 * 72 + 2 * 168 asks for 24 more than they hold
+    assert not fits(2, 2, producer=24, converter=72, consumer=168)
+    assert fits(2, 2, producer=24, converter=72, consumer=152)
 
 
 def test_config_derived_facts():

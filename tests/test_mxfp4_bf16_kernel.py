@@ -13,7 +13,7 @@ from flashgemm.formats import Format
 from flashgemm.mxfp4 import MAX_E8M0, dequantize_as_kernel, dequantize_mxfp4, prepare_weights, quantize_mxfp4
 from flashgemm.sm90 import heuristic as H
 from flashgemm.sm90.limits import (
-    CONVERTER_REGS, SMEM_BYTES, check_config, consumer_regs, converted_buffers, resolved_stages, smem_bytes,
+    CONVERTER_REGS, SMEM_BYTES, check_config, consumer_regs, resolved_stages, smem_bytes,
 )
 
 MX = Format.BF16_MXFP4
@@ -38,8 +38,9 @@ def test_ptx_converts_to_bf16_without_a_tile_scale(decode_ptx):
     assert ptx.count("prmt.b32") == 4 * (4 + 4 * 8)
     # each group leaves in four 16-byte shared stores at its swizzled place
     assert ptx.count("st.shared.v4.b32") >= 4 * 4
-    # no largest exponent to share: no team barrier; the async-proxy fence before the handover
-    assert not re.search(r"bar\.sync\s+%r\d+, 64;", ptx)
+    # no largest exponent to share, but the team's barrier orders the slot's packed
+    # loads before its in-place stores; the async-proxy fence before the handover
+    assert len(re.findall(r"bar\.sync\s+%r\d+, 64;", ptx)) == 1
     assert "fence.proxy.async.shared::cta" in ptx
     # no activation scales, no weight scales copied in
     assert "cp.async.ca.shared.global" not in ptx
@@ -55,7 +56,7 @@ def test_reachable_specs_are_the_bf16_picks_adapted_and_fit():
         cfg = check_config(spec.config, MX, spec.epilogue)
         assert cfg.tile_m in (64, 128) and 128 <= cfg.tile_n <= 192, spec.name()
         stages = resolved_stages(cfg, MX, spec.epilogue)
-        assert stages >= 2 and stages % converted_buffers(cfg) == 0, spec.name()
+        assert stages >= 4, spec.name()  # each slot converted in place: the ring is the conversion's depth
         assert smem_bytes(cfg, MX, spec.epilogue) <= SMEM_BYTES, spec.name()
     adapted = {(H.weight_format_config(s.config, MX), s.signal_mode, s.epilogue)
                for s in H.reachable_specs(Format.BF16)}

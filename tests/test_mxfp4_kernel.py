@@ -14,7 +14,7 @@ from flashgemm.mxfp4 import dequantize_as_kernel, dequantize_mxfp4, prepare_weig
 from flashgemm.quant import quantize_fp8_per_token
 from flashgemm.sm90 import heuristic as H
 from flashgemm.sm90.limits import (
-    CONVERTER_REGS, SMEM_BYTES, check_config, consumer_regs, converted_buffers, resolved_stages, smem_bytes,
+    CONVERTER_REGS, SMEM_BYTES, check_config, consumer_regs, resolved_stages, smem_bytes, stage_bytes,
 )
 
 MX = Format.FP8_MXFP4
@@ -61,7 +61,7 @@ def test_reachable_specs_build_rules_and_fit():
         cfg = check_config(spec.config, MX, spec.epilogue)
         assert cfg.tile_m in (64, 128) and cfg.tile_n >= 128, spec.name()
         stages = resolved_stages(cfg, MX, spec.epilogue)
-        assert stages >= 2 and stages % converted_buffers(cfg) == 0, spec.name()
+        assert stages >= 4, spec.name()  # each slot converted in place: the ring is the conversion's depth
         assert smem_bytes(cfg, MX, spec.epilogue) <= SMEM_BYTES, spec.name()
     # the fp8 picks, adapted: every fp8 spec has its MXFP4 counterpart, and no other
     adapted = {(H.weight_format_config(s.config, MX), s.signal_mode, s.epilogue)
@@ -84,14 +84,27 @@ def test_heuristic_picks_stay_within_reachable_specs(m, n, k):
             assert (cfg, Epilogue.SWIGLU_FP8) in reachable
 
 
+def test_packed_tiles_take_no_shared_memory_of_their_own():
+    """The packed B lands in the slot's B and is converted in place: an
+    MXFP4 slot is the fp8 slot plus its E8M0 bytes, so the ring is as deep
+    as the fp8 kernel's, less what the exponents take."""
+    for tm, tn in ((64, 128), (128, 128), (128, 192)):
+        cfg = GemmConfig(tile_m=tm, tile_n=tn)
+        assert stage_bytes(cfg, MX) == stage_bytes(cfg, Format.FP8_BLOCK128) + tn * 128 // 32
+        assert resolved_stages(cfg, MX) in (resolved_stages(cfg, Format.FP8_BLOCK128),
+                                            resolved_stages(cfg, Format.FP8_BLOCK128) - 1)
+
+
 def test_config_rules_name_the_field():
     with pytest.raises(ValueError, match=r"config.tile_m must be 64 or 128 with fp8_mxfp4"):
         check_config(GemmConfig(tile_m=192, tile_n=64), MX)
     with pytest.raises(ValueError, match=r"config.promotion must not be OVERLAPPED with tile_m=128"):
         check_config(GemmConfig(tile_m=128, promotion=Promotion.OVERLAPPED), MX)
-    with pytest.raises(ValueError, match=r"config.stages must be a multiple of 4"):
-        check_config(GemmConfig(tile_m=64, stages=6), MX)
+    # any ring depth: each slot is converted in place, so only shared memory bounds it
+    check_config(GemmConfig(tile_m=64, stages=6), MX)
     check_config(GemmConfig(tile_m=64, stages=8), MX)
+    with pytest.raises(ValueError, match=r"config uses \d+ bytes of shared memory"):
+        check_config(GemmConfig(tile_m=64, stages=9), MX)
     assert H.weight_format_config(GemmConfig(tile_m=192, tile_n=64, tail=Tail.BALANCE), MX).tile_m == 128
     assert H.weight_format_config(GemmConfig(tile_m=64, tile_n=64), MX).tile_n == 128
     assert H.weight_format_config(GemmConfig(promotion=Promotion.OVERLAPPED), MX).promotion is Promotion.SERIAL

@@ -97,8 +97,7 @@ class Consumer:
         sig_state = None
         if cutlass.const_expr(sig_pipeline is not None):
             sig_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SIGNAL_STAGES)
-        mma = KTileMma(ab_pipeline, mma_k, tCrA_k, tCrB_k, smem.sSFA, rows, smem.sSFB,
-                       self.shape.b_stages if self.shape.converted_b else 0)
+        mma = KTileMma(ab_pipeline, mma_k, tCrA_k, tCrB_k, smem.sSFA, rows, smem.sSFB)
         while work.is_valid:
             if cutlass.const_expr(self.config.tail is Tail.SPLIT):
                 # a half unit: only the warpgroup that owns its 64 rows computes
@@ -141,7 +140,7 @@ class Consumer:
         else:
             read_state, release_state = consume_tile(
                 mma.ab_pipeline, read_state, release_state, mma.tiled_mma, accumulators,
-                mma.tCrA, mma.tCrB, k_tile_cnt, mma.b_buffers,
+                mma.tCrA, mma.tCrB, k_tile_cnt,
             )
         return read_state, release_state
 
@@ -162,7 +161,7 @@ class Consumer:
         tCrA = tiled_mma_p.make_fragment_A(wg_mma.partition_A(sA))
         tCrB = tuple(
             tiled_mma_p.make_fragment_B(wg_mma.partition_B(
-                cute.local_tile(sB, (part_n, self.tile_mnk[2], self.shape.b_stages), (p, 0, 0))
+                cute.local_tile(sB, (part_n, self.tile_mnk[2], self.shape.stages), (p, 0, 0))
             ))
             for p in range(parts)
         )

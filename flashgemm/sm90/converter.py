@@ -1,12 +1,15 @@
 """The converter warpgroups of the MXFP4-weight GEMMs (``Format.FP8_MXFP4``,
 ``Format.BF16_MXFP4``): Hopper's wgmma takes no fp4, so the weights enter
-shared memory packed and leave it as e4m3 (or bf16) in a B buffer the wgmma
+shared memory packed and become e4m3 (or bf16) in place, where the wgmma
 reads (docs/design.md, "MXFP4 weights on Hopper").
 
-The TMA ring's slots hold A, the packed B tile (``mxfp4.prepare_weights``'
-layout) and its (tile_n x tile_k / 32) E8M0 bytes; the converted B lives in
-``limits.converted_buffers`` buffers beside the ring (slot i uses buffer i
-% that). A k-tile row of B is one 128-byte swizzle row either way: 128 e4m3
+The TMA ring's slots hold A, the converted B tile and its (tile_n x
+tile_k / 32) E8M0 bytes. The packed B tile (``mxfp4.prepare_weights``'
+layout) lands in the first half (bf16: quarter) of the slot's B and is
+converted in place: a slot is converted once it is full and read by the
+wgmma until it is released, so conversion needs no buffer of its own and
+every ring slot can be converted ahead (docs/design.md, "Conversion in
+place"). A k-tile row of B is one 128-byte swizzle row either way: 128 e4m3
 or 64 bf16 values. The converter warps work in teams of ``TEAM_WARPS``:
 team t converts the slots whose sequence number is t modulo the team count,
 so several slots convert at once, and steps from one of its slots to the
@@ -19,9 +22,9 @@ loads landed:
    max, then the warps' maxima through shared memory and
    ``barriers.CONVERTERS`` + t);
 2. each thread converts its groups (16 packed bytes into 32 e4m3 or 64 bf16
-   bytes) and stores them at their 128-byte-swizzled place in the slot's B
-   buffer, once the ring slot that last used that buffer has been released
-   (its wgmma retired: the ring's empty barrier). e4m3: the group's exponent
+   bytes) and stores them at their 128-byte-swizzled place in the slot's B,
+   once the team's barrier has ordered every packed load of the slot before
+   (the s_max exchange's for e4m3, one of its own for bf16). e4m3: the group's exponent
    folded in as 2**(s - s_max + 6) (the team's copy of
    ``device.e2m1.scaled_table``); bf16:
    as 2**(s - 127), exactly (``device.e2m1.bf16_table``);
@@ -32,8 +35,9 @@ loads landed:
    it), and each warp of the team arrives on the slot's *converted* mbarrier.
 
 The consumers wait on the slot's full barrier and then on its converted one
-(``ConvertedRing``); releasing the slot frees its A, its packed bytes (read
-before the arrival) and its B buffer.
+(``ConvertedRing``); releasing the slot frees its A and its B for the next
+TMA fill (the converters' stores were fenced for the async proxy before
+their arrival).
 """
 
 from __future__ import annotations
@@ -70,9 +74,9 @@ assert 2 * TABLE_ENTRIES * MAX_TEAMS == CONVERTER_TABLE_WORDS
 class ConverterSmem(NamedTuple):
     """The converters' shared memory, as typed views."""
 
-    packed: cute.Tensor  # (tile_n * tile_k / 8, stages) Uint32: packed rows of tile_k / 2 bytes
+    packed: cute.Tensor  # (tile_n * tile_k / 8, stages) Uint32: packed rows of tile_k / 2 bytes, inside sB
     exps: cute.Tensor  # (tile_n * tile_k / 32, stages) Uint8: group-major E8M0 bytes (n + g * tile_n)
-    sB: cute.Tensor  # (tile_n * 32, buffers) Uint32: the converted, swizzled rows
+    sB: cute.Tensor  # (tile_n * 32, stages) Uint32: the converted, swizzled rows
     scale_bits: object  # e4m3: (2, stages) Int32 view of sSFB; bf16: None
     maxima: cute.Tensor  # (TEAM_WARPS, 2, teams) Int32: each team warp's s_max, per visit parity
     converted: object  # mbarrier pointer: one per slot
@@ -80,9 +84,10 @@ class ConverterSmem(NamedTuple):
 
 
 def packed_smem_layout(tile_n: int, tile_k: int, stages: int):
-    """(n, packed byte, stage): the TMA box of packed rows, unswizzled."""
+    """(n, packed byte, stage): the TMA box of packed rows, unswizzled, in
+    the first half (bf16: quarter) of each slot's converted B."""
     row = tile_k // 2
-    return cute.make_layout((tile_n, row, stages), stride=(row, 1, tile_n * row))
+    return cute.make_layout((tile_n, row, stages), stride=(row, 1, tile_n * ROW_BYTES))
 
 
 def exps_smem_layout(tile_n: int, tile_k: int, stages: int):
@@ -105,12 +110,13 @@ def packed_b_boxes(mSFB: cute.Tensor, tile_mnk: tuple):
 
 
 def packed_b_partitions(storage, tma_atom_b, mB_nkl, tma_atom_exps, mExps, tile_mnk: tuple, stages: int):
-    """Kernel side of the loads: the packed tile and its (tile_n, 4)
-    exponents per slot, TMA-loaded together. Returns ((TMA, stages) and
+    """Kernel side of the loads: the packed tile (into the slot's sB) and
+    its (tile_n, 4) exponents per slot, TMA-loaded together. Returns ((TMA, stages) and
     (TMA, RestN, RestK, E) of the packed B, (atom, source, destination) of
     the exponents)."""
     tile_n, tile_k = tile_mnk[1], tile_mnk[2]
-    sBp = storage.sBp.get_tensor(packed_smem_layout(tile_n, tile_k, stages))
+    sBp = cute.make_tensor(cute.recast_ptr(storage.sB.data_ptr(), dtype=cutlass.Int8),
+                           packed_smem_layout(tile_n, tile_k, stages))
     gBp = cute.local_tile(mB_nkl, (tile_n, tile_k // 2), (None, None, None))
     tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
         tma_atom_b, 0, cute.make_layout(1), cute.group_modes(sBp, 0, 2), cute.group_modes(gBp, 0, 2))
@@ -121,14 +127,13 @@ def packed_b_partitions(storage, tma_atom_b, mB_nkl, tma_atom_exps, mExps, tile_
     return tBsB, tBgB, (tma_atom_exps, tEg, tEs)
 
 
-def converter_smem(storage, sB: cute.Tensor, sSFB, tile_n: int, tile_k: int, stages: int,
-                   buffers: int) -> ConverterSmem:
+def converter_smem(storage, sB: cute.Tensor, sSFB, tile_n: int, tile_k: int, stages: int) -> ConverterSmem:
     """``sSFB``: the slots' weight scales (e4m3), or None (bf16: no scale)."""
     return ConverterSmem(
-        cute.make_tensor(cute.recast_ptr(storage.sBp.data_ptr(), dtype=Uint32),
-                         cute.make_layout((tile_n * tile_k // 8, stages))),
+        cute.make_tensor(cute.recast_ptr(storage.sB.data_ptr(), dtype=Uint32),
+                         cute.make_layout((tile_n * tile_k // 8, stages), stride=(1, tile_n * ROW_BYTES // 4))),
         cute.make_tensor(storage.sBsf.data_ptr(), cute.make_layout((tile_n * tile_k // GROUP, stages))),
-        cute.make_tensor(cute.recast_ptr(sB.iterator, dtype=Uint32), cute.make_layout((tile_n * ROW_BYTES // 4, buffers))),
+        cute.make_tensor(cute.recast_ptr(sB.iterator, dtype=Uint32), cute.make_layout((tile_n * ROW_BYTES // 4, stages))),
         None if sSFB is None else cute.make_tensor(cute.recast_ptr(sSFB.iterator, dtype=Int32), sSFB.layout),
         cute.make_tensor(storage.conv_max.data_ptr(), cute.make_layout((TEAM_WARPS, 2, MAX_TEAMS))),
         storage.conv_mbar.data_ptr(),
@@ -171,7 +176,7 @@ class ConvertedRing:
 class WeightConverter:
     """Trace-time helper of the converter warpgroups (see the module docstring)."""
 
-    def __init__(self, config, fmt: Format, tile_n: int, tile_k: int, stages: int, buffers: int, warpgroups: int):
+    def __init__(self, config, fmt: Format, tile_n: int, tile_k: int, stages: int, warpgroups: int):
         self.config = config
         self.bf16 = fmt is Format.BF16_MXFP4  # else e4m3 (FP8_MXFP4)
         self.tile_n = tile_n
@@ -179,7 +184,6 @@ class WeightConverter:
         self.packed_row_words = tile_k // 8
         self.chunks_per_group = ROW_BYTES // CHUNK // self.groups
         self.stages = stages
-        self.buffers = buffers
         self.teams = warpgroups * 4 // TEAM_WARPS
         self.team_threads = 32 * TEAM_WARPS
 
@@ -211,12 +215,6 @@ class WeightConverter:
             tile_end += k_tile_cnt
             while state.count < tile_end:
                 ab_pipeline.consumer_wait(state)
-                # the B buffer is free once the slot that last used it was released
-                earlier = state.index - self.buffers
-                if earlier >= 0:
-                    ab_pipeline.sync_object_empty.wait(earlier, state.phase)
-                else:
-                    ab_pipeline.sync_object_empty.wait(earlier + self.stages, state.phase ^ 1)
                 self.convert_slot(smem, state.index, visits % 2, ttid, team, barrier)
                 visits += 1
                 state.advance(self.teams)
@@ -234,12 +232,15 @@ class WeightConverter:
         passes = self.tile_n // step
         exps, packed = self.load_groups(smem, stage, group, row0, step, passes)
         if cutlass.const_expr(self.bf16):
+            # in place: every packed byte of the slot is read before any converted one is written
+            barrier.arrive_and_wait()
             # every group's exponent folds into bf16 exactly: no tile scale
-            self.store_groups(smem, stage % self.buffers, [bf16_table(e) for e in exps], packed, group, row0,
+            self.store_groups(smem, stage, [bf16_table(e) for e in exps], packed, group, row0,
                               step, passes)
         else:
             # 1. s_max over the team's warps
             s_max = cute.arch.warp_redux_sync(_max_tree(exps), "max")
+            # (the exchange also orders every packed load of the slot before any converted store: in place)
             if cutlass.const_expr(TEAM_WARPS > 1):
                 if lane == 0:
                     smem.maxima[(warp, parity, team)] = s_max
@@ -248,7 +249,7 @@ class WeightConverter:
             base = s_max - MAX_SHIFT  # the slot scale's biased exponent
             # 2. convert and store, each group's table looked up by its shift (below MIN_SHIFT: entry 0, zeros)
             tables = [self.table(smem, team, cutlass.max(e - base - TABLE_FIRST_SHIFT, Int32(0))) for e in exps]
-            self.store_groups(smem, stage % self.buffers, tables, packed, group, row0, step, passes)
+            self.store_groups(smem, stage, tables, packed, group, row0, step, passes)
             # 3. the slot's weight scale, as fp32 bits (0 for a tile whose values are all below 2**-126)
             if ttid == 0:
                 bits = Int32(0)
@@ -284,7 +285,7 @@ class WeightConverter:
             packed.append(words)
         return exps, packed
 
-    def store_groups(self, smem: ConverterSmem, buffer, tables, packed, group, row0, step, passes):
+    def store_groups(self, smem: ConverterSmem, stage, tables, packed, group, row0, step, passes):
         """Each group's converted bytes into its 16-byte chunks of the row
         (e4m3: 2g, 2g + 1; bf16: 4g .. 4g + 3), at their swizzled places
         (Swizzle<3,4,3>: chunk index XOR row % 8; row0 % 8 is every pass's,
@@ -303,7 +304,7 @@ class WeightConverter:
             for part in range(self.chunks_per_group):
                 chunk = (self.chunks_per_group * group + part) ^ (row0 % 8)
                 at = (n * ROW_BYTES + chunk * CHUNK) // 4
-                dst = cute.make_tensor(smem.sB[(None, buffer)].iterator + at, cute.make_layout(4))
+                dst = cute.make_tensor(smem.sB[(None, stage)].iterator + at, cute.make_layout(4))
                 cute.autovec_copy(_quarter(out, part), dst)
 
 

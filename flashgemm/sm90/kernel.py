@@ -28,7 +28,7 @@ from .act_epilogue import act_target, init_exchange_barriers
 from .combine_epilogue import CombineTarget
 from .epilogue import SIGNAL_STAGES
 from .limits import (
-    CONVERTER_REGS, PRODUCER_REGS, SMEM_BYTES, consumer_regs, converted_buffers, converter_warpgroups,
+    CONVERTER_REGS, PRODUCER_REGS, SMEM_BYTES, consumer_regs, converter_warpgroups,
     resolved_stages,
 )
 from .producer import Producer, ProducerLoads
@@ -58,7 +58,7 @@ class MaskedGroupedGemmSm90(GemmLayouts):
       stored row by row; or the fused combine's weighted rows, or the fused
       SwiGLU's h (``act_epilogue``), which the consumers send themselves.
     * MXFP4 weights only, warpgroups W+1..: the **converters**
-      (``converter``): turn each slot's packed B into e4m3 in a B buffer.
+      (``converter``): turn each slot's packed B into e4m3 (bf16) in place.
 
     Pipelines and barriers (ids in ``barriers``):
 
@@ -117,7 +117,6 @@ class MaskedGroupedGemmSm90(GemmLayouts):
         self.converters = converter_warpgroups(config.consumer_warpgroups) if self.converted_b else 0
         self.tile_mnk = config.tile_mnk(fmt)
         self.stages = resolved_stages(config, fmt, epilogue)
-        self.b_stages = converted_buffers(config) if self.converted_b else self.stages
         self.epi_stages = config.epi_buffers
         self.num_consumer_wg = config.consumer_warpgroups
         self.num_consumer_threads = 128 * self.num_consumer_wg
@@ -129,7 +128,7 @@ class MaskedGroupedGemmSm90(GemmLayouts):
         # the fused fp8 SwiGLU exchanges row maxima with its cluster peer (act_epilogue)
         self.row_max_exchange = epilogue is Epilogue.SWIGLU_FP8
         shape = KernelShape(config, self.tile_mnk, self.stages, ab_dtype, self.acc_dtype, self.blockwise,
-                            64 if self.row_max_exchange else 128, self.converted_b, self.b_stages)
+                            64 if self.row_max_exchange else 128, self.converted_b)
         self.producer = Producer(shape)
         self.consumer = Consumer(shape, self._make_tiled_mma)
 
@@ -171,7 +170,7 @@ class MaskedGroupedGemmSm90(GemmLayouts):
         b_box = (self.tile_mnk[1], self.tile_mnk[2])
         tma_atom_bsf, mBSF_tma = None, None
         if cutlass.const_expr(self.converted_b):
-            # the TMA brings the packed tile and its exponents; sB is the converters'
+            # the TMA brings the packed tile (into sB) and its exponents; the converters fill sB
             b_smem_one, b_box, (tma_atom_bsf, mBSF_tma) = packed_b_boxes(mSFB, self.tile_mnk)
             mSFB_nkl = None
         d_store_one = cute.slice_(self.d_store_layout, (None, None, 0))
@@ -469,9 +468,9 @@ class MaskedGroupedGemmSm90(GemmLayouts):
             if cutlass.const_expr(self.converted_b):
                 if warp_group_idx > self.num_consumer_wg:
                     cute.arch.setmaxregister_decrease(CONVERTER_REGS)
-                    WeightConverter(self.config, self.fmt, *self.tile_mnk[1:], self.stages, self.b_stages, self.converters).run(
+                    WeightConverter(self.config, self.fmt, *self.tile_mnk[1:], self.stages, self.converters).run(
                         tidx - 128 * (1 + self.num_consumer_wg), walk_args, feed, balance, ab_pipeline,
-                        converter_smem(storage, sB, sSFB, *self.tile_mnk[1:], self.stages, self.b_stages),
+                        converter_smem(storage, sB, sSFB, *self.tile_mnk[1:], self.stages),
                         k_tile_cnt,
                     )
                 else:

@@ -18,7 +18,7 @@ from .storage import shared_storage
 
 
 class GemmLayouts:
-    """Layout helpers; the build sets config, tile_mnk, stages, b_stages,
+    """Layout helpers; the build sets config, tile_mnk, stages,
     ab_dtype, acc_dtype, out_dtype, epi_stages, num_consumer_wg, a_chunk,
     blockwise, row_max_exchange and converted_b."""
 
@@ -49,7 +49,7 @@ class GemmLayouts:
                 (None, None, 0),
             )
         self.b_smem_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype, self.b_stages
+            LayoutEnum.ROW_MAJOR, self.tile_mnk, self.ab_dtype, self.stages
         )
         self.epi_tile = self.config.epi_tile
         self.d_smem_layout = sm90_utils.make_smem_layout_epi(

@@ -51,9 +51,9 @@ def stage_bytes(cfg: GemmConfig, fmt: Format) -> int:
     """One ring slot: the A and B k-tiles, and for fp8 the tile's fp32 row
     scales and its weight scales."""
     if fmt.converts_weights:
-        # A, the packed B and its E8M0 bytes; fp8: the row and weight scales
-        # (the converted B is outside the ring: converted_bytes)
-        return (cfg.tile_m * fmt.tile_k * fmt.elem_bytes + cfg.tile_n * (fmt.tile_k // 2 + fmt.tile_k // 32)
+        # A, the converted B (the packed B lands in its first half and is
+        # converted in place) and the E8M0 bytes; fp8: the row and weight scales
+        return ((cfg.tile_m + cfg.tile_n) * fmt.tile_k * fmt.elem_bytes + cfg.tile_n * fmt.tile_k // 32
                 + ((cfg.tile_m + FP8_SLOT_WEIGHT_SCALES) * 4 if fmt.promotes else 0))
     operand_bytes = (cfg.tile_m + cfg.tile_n) * fmt.tile_k * fmt.elem_bytes
     if fmt is Format.FP8_BLOCK128:
@@ -68,34 +68,17 @@ def epi_bytes(cfg: GemmConfig, epilogue: Epilogue = Epilogue.STORE) -> int:
     return em * en * 2 * cfg.epi_buffers + epilogue.op.smem_bytes(cfg.tile_m)
 
 
-def converted_buffers(cfg: GemmConfig) -> int:
-    """MXFP4 weights: the e4m3 / bf16 B buffers the converters fill, off the TMA
-    ring, whose depth must be a multiple (a slot's B buffer is its index
-    modulo this). Four let the converter teams work on as many slots at once
-    (docs/design.md); wider tiles keep two, for ring stages."""
-    return 4 if cfg.tile_n <= 128 else 2
-
-
-def converted_bytes(cfg: GemmConfig, fmt: Format) -> int:
-    """MXFP4 weights: the converters' B buffers, one 128-byte row per weight row (0 for other formats)."""
-    return converted_buffers(cfg) * cfg.tile_n * fmt.tile_k * fmt.elem_bytes if fmt.converts_weights else 0
-
-
 def resolved_stages(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> int:
-    """Stages actually used: the explicit count, or as many as fit (MXFP4
-    weights: a multiple of ``converted_buffers``)."""
+    """Stages actually used: the explicit count, or as many as fit."""
     if cfg.stages:
         return cfg.stages
-    free = SMEM_BYTES - SMEM_RESERVED_BYTES - epi_bytes(cfg, epilogue) - converted_bytes(cfg, fmt)
-    stages = max(free // stage_bytes(cfg, fmt), 0)
-    if fmt.converts_weights:
-        stages -= stages % converted_buffers(cfg)
-    return stages
+    free = SMEM_BYTES - SMEM_RESERVED_BYTES - epi_bytes(cfg, epilogue)
+    return max(free // stage_bytes(cfg, fmt), 0)
 
 
 def smem_bytes(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> int:
     return (SMEM_RESERVED_BYTES + resolved_stages(cfg, fmt, epilogue) * stage_bytes(cfg, fmt)
-            + epi_bytes(cfg, epilogue) + converted_bytes(cfg, fmt))
+            + epi_bytes(cfg, epilogue))
 
 
 def check_config(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STORE) -> GemmConfig:
@@ -112,9 +95,6 @@ def check_config(cfg: GemmConfig, fmt: Format, epilogue: Epilogue = Epilogue.STO
         # with the converters 512 threads compile at 128 registers, all of them a 256-wide wgmma's accumulators
         raise ValueError(f"config.tile_n must be <= 192 with {fmt.value} weights (the converter warpgroups make "
                          f"512 threads), got {cfg.tile_n}")
-    if fmt.converts_weights and cfg.stages % converted_buffers(cfg):
-        raise ValueError(f"config.stages must be a multiple of {converted_buffers(cfg)} with {fmt.value} weights "
-                         f"(each ring slot's converted B is its index modulo that), got {cfg.stages}")
     if fmt is Format.FP8_MXFP4 and cfg.consumer_warpgroups == 2 and cfg.promotion is Promotion.OVERLAPPED:
         raise ValueError(f"config.promotion must not be OVERLAPPED with tile_m=128 and {fmt.value} weights "
                          "(two consumers get 192 registers each beside the converter)")

@@ -139,12 +139,10 @@ def consume_tile(
     tiled_mma: cute.TiledMma,
     accumulators: cute.Tensor,
     tCrA: cute.Tensor,  # (MMA, MMA_M, MMA_K, stages) smem descriptors
-    tCrB: cute.Tensor,  # (MMA, MMA_N, MMA_K, stages), or (..., b_buffers)
+    tCrB: cute.Tensor,  # (MMA, MMA_N, MMA_K, stages)
     k_tile_cnt: Int32,
-    b_buffers: cutlass.Constexpr = 0,
 ):
-    """Accumulate one output tile over K; returns (read_state, release_state).
-    ``b_buffers``: MXFP4 weights, slot i's B is buffer i % b_buffers (0: slot i's own)."""
+    """Accumulate one output tile over K; returns (read_state, release_state)."""
     num_k_blocks = cute.size(tCrA, mode=[2])
     # The caller set ACCUMULATE once; zeroing 64..128 registers per tile is
     # cheaper than carrying the flag through the dynamic k-loop.
@@ -152,10 +150,9 @@ def consume_tile(
     cute.nvgpu.warpgroup.fence()
     for k_tile in cutlass.range(k_tile_cnt, unroll=1):
         ab_pipeline.consumer_wait(read_state)
-        b_index = read_state.index if b_buffers == 0 else read_state.index % b_buffers
         for k_block in cutlass.range_constexpr(num_k_blocks):
             coord = (None, None, k_block, read_state.index)
-            cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[(None, None, k_block, b_index)], accumulators)
+            cute.gemm(tiled_mma, accumulators, tCrA[coord], tCrB[coord], accumulators)
         cute.nvgpu.warpgroup.commit_group()
         # Keep one wgmma group in flight; the slot read by the group before it
         # is now free.
@@ -201,7 +198,6 @@ class KTileMma(NamedTuple):
     sSFA: cute.Tensor  # (BM, 1, stages) fp32 activation scales, one per row per k-tile
     rows: tuple  # this thread's two tile rows (accumulator value mode 1)
     sSFB: cute.Tensor  # (FP8_SLOT_WEIGHT_SCALES, stages) fp32 weight scales
-    b_buffers: int = 0  # MXFP4 weights: slot i's B is buffer i % b_buffers (0: slot i's own)
 
 
 class PromotionTarget(NamedTuple):
@@ -315,7 +311,6 @@ def _issue_k_tile(mma: KTileMma, state, acc, in_parts: bool):
     sfa1 = mma.sSFA[(mma.rows[1], 0, state.index)]
     scale = ((sfa0 * sfb[0], sfa0 * sfb[1]), (sfa1 * sfb[0], sfa1 * sfb[1]))
     cute.nvgpu.warpgroup.fence()
-    b_index = state.index if mma.b_buffers == 0 else state.index % mma.b_buffers
     # (plain Python loops: these helpers are traced inline, unrolled)
     if in_parts:
         # each chain starts from zero by its first wgmma's scale-d, not by
@@ -325,12 +320,12 @@ def _issue_k_tile(mma: KTileMma, state, acc, in_parts: bool):
             for k_block in range(cute.size(mma.tCrA, mode=[2])):
                 coord = (None, None, k_block, state.index)
                 cute.gemm(mma.tiled_mma[min(k_block, 1)], acc_h, mma.tCrA[coord],
-                          tCrB_h[(None, None, k_block, b_index)], acc_h)
+                          tCrB_h[coord], acc_h)
             cute.nvgpu.warpgroup.commit_group()
         return scale
     for k_block in range(cute.size(mma.tCrA, mode=[2])):
         coord = (None, None, k_block, state.index)
-        cute.gemm(mma.tiled_mma, acc, mma.tCrA[coord], mma.tCrB[(None, None, k_block, b_index)], acc)
+        cute.gemm(mma.tiled_mma, acc, mma.tCrA[coord], mma.tCrB[coord], acc)
     cute.nvgpu.warpgroup.commit_group()
     return scale
 

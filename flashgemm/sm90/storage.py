@@ -21,9 +21,9 @@ def shared_storage(config: GemmConfig, ab, out, stages, a_layout, b_layout, d_la
     """The ring (A, B and their mbarriers; for fp8 the slots' scales), the
     output staging, the signal handoff's mbarriers, and what the balance
     rule, the dynamic order, the fused fp8 SwiGLU's row-maximum exchange
-    (``act_epilogue``) and MXFP4 weights (``converted_tile_n``: the packed
-    (tile_n, tile_k) tiles, their exponents and the converted barriers,
-    ``converter``) add."""
+    (``act_epilogue``) and MXFP4 weights (``converted_tile_n``: the
+    exponents of the (tile_n, tile_k) tiles and the converted barriers; the
+    packed tiles land in sB, ``converter``) add."""
     a_size, b_size = cute.cosize(a_layout), cute.cosize(b_layout)
     d_size = cute.cosize(d_layout)
     sfa_size = cute.cosize(sfa_layout) if blockwise else 4
@@ -40,7 +40,6 @@ def shared_storage(config: GemmConfig, ab, out, stages, a_layout, b_layout, d_la
     }
     if converted_tile_n:
         fields["conv_mbar"] = cute.struct.MemRange[cutlass.Int64, stages]
-        fields["sBp"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int8, converted_tile_n * tile_k // 2 * stages], 128]
         fields["sBsf"] = cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, converted_tile_n * tile_k // 32 * stages], 128]
         # the converter warps' exponent maxima, per slot parity (``converter``)
         fields["conv_max"] = cute.struct.Align[cute.struct.MemRange[Int32, 2 * MAX_CONVERTER_WARPS], 16]

@@ -30,10 +30,9 @@ class KernelShape(NamedTuple):
     # rows of N per weight scale: 128, or 64 for the fused SwiGLU's interleaved
     # w13 (a tile's gate and up groups come from two 128-row blocks)
     weight_scale_rows: int = 128
-    # MXFP4 weights: B arrives packed with its exponents; the converters write
-    # sB, which then has b_stages buffers (slot i reads buffer i % b_stages)
+    # MXFP4 weights: B arrives packed with its exponents, and the converters
+    # turn each slot's B into e4m3 / bf16 in place
     converted_b: bool = False
-    b_stages: int = 0
 
     @property
     def cluster_n(self) -> int:
