@@ -63,6 +63,8 @@ GROUP = 32  # values per E8M0 exponent
 # warps per converter team: the teams convert alternate slots at once, each
 # slot by one team (its warps share the slot's largest exponent)
 TEAM_WARPS = 2
+# the e4m3 s_max exchange's team barrier also orders each slot's packed loads before its in-place stores
+assert TEAM_WARPS > 1
 MAX_TEAMS = MAX_CONVERTER_WARPS // TEAM_WARPS
 # e4m3: each team's copy of scaled_table(d) for d in [TABLE_FIRST_SHIFT, MAX_SHIFT],
 # entry d - TABLE_FIRST_SHIFT (entry 0: a flushed group's zeros)
@@ -240,7 +242,6 @@ class WeightConverter:
         else:
             # 1. s_max over the team's warps
             s_max = cute.arch.warp_redux_sync(_max_tree(exps), "max")
-            # (the exchange also orders every packed load of the slot before any converted store: in place)
             if cutlass.const_expr(TEAM_WARPS > 1):
                 if lane == 0:
                     smem.maxima[(warp, parity, team)] = s_max
