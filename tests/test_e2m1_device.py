@@ -8,6 +8,7 @@ import torch
 
 from flashgemm.blockscale import e2m1_to_float
 from flashgemm.device import e2m1
+from flashgemm import mxfp4
 from flashgemm.mxfp4 import kernel_bytes
 
 
@@ -108,6 +109,13 @@ def test_bf16_tables_are_exact_in_range_and_flush_below(e):
     bits = bf.view(torch.int16).to(torch.int64) & 0xFFFF
     want = (bits[:, 0::2] | bits[:, 1::2] << 16).tolist()
     assert [_bf16_model(w, e) for w in _words(codes)] == want
+
+
+def test_bf16_table_bounds_are_the_hosts():
+    """The device tables' E8M0 range (``device`` imports nothing outside
+    itself, so it keeps its own copy) is the one ``mxfp4`` flushes by in
+    ``dequantize_as_kernel`` and checks in ``prepare_weights``."""
+    assert (e2m1.BF16_MIN_E8M0, e2m1.BF16_MAX_E8M0) == (mxfp4.BF16_MIN_E8M0, mxfp4.MAX_E8M0)
 
 
 def test_kernel_layout_round_trips():

@@ -24,10 +24,10 @@ loads landed:
 2. each thread converts its groups (16 packed bytes into 32 e4m3 or 64 bf16
    bytes) and stores them at their 128-byte-swizzled place in the slot's B,
    once the team's barrier has ordered every packed load of the slot before
-   (the s_max exchange's for e4m3, one of its own for bf16). e4m3: the group's exponent
-   folded in as 2**(s - s_max + 6) (the team's copy of
-   ``device.e2m1.scaled_table``); bf16:
-   as 2**(s - 127), exactly (``device.e2m1.bf16_table``);
+   (the s_max exchange's for e4m3, one of its own for bf16). e4m3: the
+   group's exponent folded in as 2**(s - s_max + 6) (the team's copy of
+   ``device.e2m1.scaled_table``); bf16: as 2**(s - 127), exactly
+   (``device.e2m1.bf16_table``);
 3. e4m3 only: thread 0 of the team writes the slot's weight scale
    2**(s_max - 6 - 127) into both sSFB entries, where the fp8 recipe's
    128x128 scale goes, so the consumers' promotion is unchanged;

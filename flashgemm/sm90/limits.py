@@ -37,26 +37,26 @@ def converter_warpgroups(num_consumer_wg: int) -> int:
 
 
 def consumer_regs(num_consumer_wg: int, converters: int = 0) -> int:
-    """Registers per consumer thread: the SM's 64K registers split over the
-    warpgroups, less the producer's (and the converters') share, in
-    setmaxnreg's multiples of 8, at most 232 (2 consumers: 232; 3 consumers:
-    152; beside converters: 1 consumer 232, 2 consumers 192)."""
+    """Registers per consumer thread: the CTA's launch allocation (64K
+    registers over its threads, in multiples of 8; setmaxnreg.inc only takes
+    what the other warps gave back) split over the warpgroups, less the
+    producer's (and the converters') share, in setmaxnreg's multiples of 8,
+    at most 232 (2 consumers: 232; 3 consumers: 152; beside converters: 1
+    consumer 232, 2 consumers 192)."""
     warpgroups = num_consumer_wg + 1 + converters
-    avg = 65536 // (128 * warpgroups)
-    per_consumer = (avg * warpgroups - PRODUCER_REGS - CONVERTER_REGS * converters) // num_consumer_wg
+    launch = 65536 // (128 * warpgroups) // 8 * 8
+    per_consumer = (launch * warpgroups - PRODUCER_REGS - CONVERTER_REGS * converters) // num_consumer_wg
     return min(232, per_consumer // 8 * 8)
 
 
 def stage_bytes(cfg: GemmConfig, fmt: Format) -> int:
     """One ring slot: the A and B k-tiles, and for fp8 the tile's fp32 row
     scales and its weight scales."""
-    if fmt.converts_weights:
-        # A, the converted B (the packed B lands in its first half and is
-        # converted in place) and the E8M0 bytes; fp8: the row and weight scales
-        return ((cfg.tile_m + cfg.tile_n) * fmt.tile_k * fmt.elem_bytes + cfg.tile_n * fmt.tile_k // 32
-                + ((cfg.tile_m + FP8_SLOT_WEIGHT_SCALES) * 4 if fmt.promotes else 0))
     operand_bytes = (cfg.tile_m + cfg.tile_n) * fmt.tile_k * fmt.elem_bytes
-    if fmt is Format.FP8_BLOCK128:
+    if fmt.converts_weights:
+        # the E8M0 bytes (the packed B lands in the converted B's first half)
+        operand_bytes += cfg.tile_n * fmt.tile_k // 32
+    if fmt.promotes:
         operand_bytes += (cfg.tile_m + FP8_SLOT_WEIGHT_SCALES) * 4
     return operand_bytes
 
