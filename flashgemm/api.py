@@ -151,7 +151,11 @@ def grouped_gemm_nt_masked(
     ``blockscale.to_blocked_scales``: a_scale (E, ceil(max_m/128),
     ceil(K/vec/4), 32, 4, 4) and b_scale with N for max_m, contiguous. The
     format follows from the dtypes (``flashgemm.blockscaled_args``); on
-    Hopper these formats raise ValueError before any launch.
+    Hopper these formats raise ValueError before any launch. MXFP4 weights on
+    Blackwell (``Format.MXFP8_MXFP4``): a and a_scale as for MXFP8, b the
+    packed e2m1 bytes [E, N, K/2] as a checkpoint stores them and b_scale its
+    E8M0 exponents in the same blocked layout (``mxfp4.blackwell_weights``);
+    K a multiple of 128.
 
     expected_m: mean valid rows per expert (host hint for the configuration).
     num_sms: cap on the persistent grid, e.g. to leave SMs to a concurrent kernel.

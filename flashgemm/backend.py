@@ -180,4 +180,10 @@ def check_format(backend: Backend, fmt: Format) -> None:
         where = "needs a Blackwell GPU (sm_100/sm_103)"
         if fmt in get("sm90").formats:  # (MXFP4 weights: converted in the Hopper kernels only)
             where = "runs on Hopper (sm_90) only"
-        raise ValueError(f"format {fmt.value!r} {where}; this GPU's kernels ({backend.name}) take: {taken}")
+        hint = {  # MXFP4 weights take another activation recipe on each generation
+            Format.FP8_MXFP4: "; on Blackwell, MXFP4 weights go with MXFP8 activations (E8M0 a_scale per 32, "
+                              "blocked) and the checkpoint's packed b: flashgemm.mxfp4.blackwell_weights",
+            Format.MXFP8_MXFP4: "; on Hopper, MXFP4 weights go with 1x128 fp8 activations (float32 a_scale) or "
+                                "bf16, and b from flashgemm.mxfp4.prepare_weights",
+        }.get(fmt, "")
+        raise ValueError(f"format {fmt.value!r} {where}; this GPU's kernels ({backend.name}) take: {taken}{hint}")

@@ -16,6 +16,9 @@ the same exponent or one less (the latter when amax's mantissa exceeds 1.75,
 where it clamps the largest elements to 448). An all-zero block gets
 ``e = -127`` (byte 0). A block holding NaN or +-inf gets the NaN scale (byte
 255) and NaN elements: it dequantizes to NaN, whatever its other elements.
+fp8 activations quantized 1x128 with power-of-two scales (DeepSeek's UE8M0
+recipe) are MXFP8 operands as they are: :func:`mx_scales_from_block128`
+repeats each scale, as its E8M0 byte, over its four 32-blocks.
 
 NVFP4: e2m1 elements (magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6} and a sign),
 one e4m3 scale ``s_b`` per block of 16 along K, and one float32 global scale
@@ -139,6 +142,27 @@ def quantize_mxfp8(x: torch.Tensor, *, dim: int = -1):
     q = q.flatten(-2)[..., :k].view(torch.float8_e4m3fn)
     scales = torch.where(bad, torch.full_like(e, E8M0_NAN), e + E8M0_BIAS).to(torch.uint8)
     return q.movedim(-1, dim).contiguous(), scales.movedim(-1, dim).contiguous()
+
+
+def mx_scales_from_block128(a_scale: torch.Tensor, k: int) -> torch.Tensor:
+    """1x128 activation scales that are powers of two (DeepSeek's UE8M0
+    recipe), float32 [..., ceil(K/128)] -> the same scales as E8M0 bytes
+    [..., ceil(K/32)], each repeated over its four 32-blocks: the fp8 values
+    then are MXFP8 operands, unchanged. Anything but a power of two in
+    [2**-127, 2**127] is refused (it has no exact E8M0 form)."""
+    _check_float(a_scale, "a_scale")
+    if a_scale.dim() == 0 or a_scale.shape[-1] != _cdiv(k, 128):
+        raise ValueError(f"a_scale must be [..., ceil(K/128)] = [..., {_cdiv(k, 128)}] for K = {k}, got "
+                         f"{tuple(a_scale.shape)}")
+    sc = a_scale.float()
+    mant, ex = torch.frexp(sc)
+    exact = torch.isfinite(sc) & (mant == 0.5) & (ex - 1 >= -E8M0_BIAS) & (ex - 1 <= E8M0_BIAS)
+    if sc.numel() and not bool(exact.all()):  # (one read of the scales: host-side conversion)
+        bad = tuple(int(i) for i in (~exact).nonzero()[0])
+        raise ValueError(f"a_scale[{bad}] = {float(sc[bad])} is not a power of two in [2**-127, 2**127]: it has "
+                         "no exact E8M0 form (quantize with power-of-two scales, or use quantize_mxfp8)")
+    e8 = (ex.to(torch.int64) - 1 + E8M0_BIAS).to(torch.uint8)
+    return e8.repeat_interleave(4, dim=-1)[..., :_cdiv(k, MX_BLOCK)].contiguous()
 
 
 def dequantize_mxfp8(q: torch.Tensor, scales: torch.Tensor, *, dim: int = -1) -> torch.Tensor:
@@ -323,6 +347,12 @@ def _block_dequant(t: torch.Tensor, scales: torch.Tensor, fmt: str, name: str) -
     if t.dim() != 3:
         raise ValueError(f"{name} must be [E, rows, K], got shape {tuple(t.shape)}")
     sname = f"{name}_scales"
+    if fmt == "mxfp4":  # e2m1 packed along K, one E8M0 byte per 32
+        t = _as_bytes(t, name, (torch.uint8, torch.float4_e2m1fn_x2))
+        _as_bytes(scales, sname, (torch.uint8, torch.float8_e8m0fnu))
+        _check_scale_shape(scales, (*t.shape[:-1], _cdiv(2 * t.shape[-1], MX_BLOCK)), sname,
+                           f"one E8M0 byte per {MX_BLOCK} elements of {name}")
+        return e2m1_to_float(unpack_e2m1(t)) * e8m0_to_float(scales).repeat_interleave(MX_BLOCK, dim=-1)
     if fmt == "mxfp8":
         _as_bytes(t, name, (torch.float8_e4m3fn,))
         _as_bytes(scales, sname, (torch.uint8, torch.float8_e8m0fnu))
@@ -356,13 +386,14 @@ def grouped_gemm_nt_masked_blockscaled_ref(
     float8_e8m0fnu) scales [E, rows, ceil(K/32)]. ``fmt="nvfp4"``: a [E, max_m, K/2]
     / b [E, N, K/2] packed e2m1 with float8_e4m3fn scales [E, rows, K/16]; the
     global scales enter only through alpha (pass :func:`nvfp4_alpha`).
-    Scales are row-major (not the tiled layout). ``alpha``: None (1), a float
+    ``fmt="mxfp8_mxfp4"``: a as for MXFP8, b [E, N, K/2] packed e2m1 (MXFP4)
+    with uint8 (or float8_e8m0fnu) scales [E, N, K/32]. Scales are row-major (not the tiled layout). ``alpha``: None (1), a float
     or a tensor of shape () or [E]. The products are accumulated in float64.
     """
-    if fmt not in ("mxfp8", "nvfp4"):
-        raise ValueError(f"fmt must be 'mxfp8' or 'nvfp4', got {fmt!r}")
-    a_deq = _block_dequant(a, a_scales, fmt, "a")
-    b_deq = _block_dequant(b, b_scales, fmt, "b")
+    if fmt not in ("mxfp8", "nvfp4", "mxfp8_mxfp4"):
+        raise ValueError(f"fmt must be 'mxfp8', 'nvfp4' or 'mxfp8_mxfp4', got {fmt!r}")
+    a_deq = _block_dequant(a, a_scales, "mxfp8" if fmt == "mxfp8_mxfp4" else fmt, "a")
+    b_deq = _block_dequant(b, b_scales, "mxfp4" if fmt == "mxfp8_mxfp4" else fmt, "b")
     e_count, max_m, k = a_deq.shape
     if b_deq.shape[0] != e_count or b_deq.shape[2] != k:
         raise ValueError(f"b must match a in experts (E={e_count}) and K ({k}), got shape {tuple(b.shape)}")

@@ -17,6 +17,8 @@ float8_e4m3fn                          float8_e8m0fnu or uint8       MXFP8
 uint8 or float4_e2m1fn_x2 (packed)     float8_e4m3fn                 NVFP4
 a float8_e4m3fn, b int8 (prepared)     float32 / E8M0, N contiguous  FP8_MXFP4
 a bfloat16, b int8 (prepared)          None / E8M0, N contiguous     BF16_MXFP4
+a float8_e4m3fn, b uint8 or            float8_e8m0fnu or uint8       MXFP8_MXFP4
+float4_e2m1fn_x2 (packed)              (both blocked 128x4)
 =====================================  ============================  ============
 
 uint8 is accepted for E8M0 scales because ``blockscale.quantize_mxfp8``
@@ -59,7 +61,7 @@ def infer_format(a, a_scale, b=None) -> Format:
     if sdtype is None or sdtype == torch.float32:
         return Format.FP8_BLOCK128  # (a missing scale is reported by its checks)
     if sdtype in _MX_SCALE_DTYPES:
-        return Format.MXFP8
+        return Format.MXFP8_MXFP4 if mxfp4_b else Format.MXFP8
     raise TypeError(
         f"with float8_e4m3fn a, a_scale must be float32 (DeepSeek 1x128 blocks) or float8_e8m0fnu / "
         f"uint8 (MXFP8, blocked 128x4 layout); got {sdtype}"
@@ -78,7 +80,7 @@ def blocked_scale_shape(fmt: Format, num_experts: int, rows: int, k: int) -> tup
 
 
 def _scale_dtypes(fmt: Format) -> tuple:
-    return _MX_SCALE_DTYPES if fmt is Format.MXFP8 else (FP8,)
+    return (FP8,) if fmt is Format.NVFP4 else _MX_SCALE_DTYPES
 
 
 def _check_scale(name: str, t, fmt: Format, want: tuple, rows_name: str) -> None:
@@ -122,24 +124,36 @@ def check_alpha(fmt: Format, alpha, num_experts: int) -> None:
 def validate_blockscaled_args(
     fmt: Format, a, b, out, masked_m, a_scale, b_scale, alpha=None
 ) -> tuple[int, int, int, int]:
-    """Every metadata check of an MXFP8 / NVFP4 call. Returns (E, max_m, N, K),
-    K in elements (twice the packed bytes for NVFP4)."""
+    """Every metadata check of an MXFP8 / NVFP4 / MXFP8_MXFP4 call. Returns
+    (E, max_m, N, K), K in elements (twice the packed bytes for NVFP4)."""
     if not fmt.block_scaled:
-        raise ValueError(f"validate_blockscaled_args is for MXFP8 / NVFP4, got {fmt.value}")
-    ab = _FP4_BYTES if fmt is Format.NVFP4 else (FP8,)
-    check_tensor("a", a, 3, ab)
-    check_tensor("b", b, 3, ab)
+        raise ValueError(f"validate_blockscaled_args is for MXFP8 / NVFP4 / MXFP8_MXFP4, got {fmt.value}")
+    mxfp4_b = fmt is Format.MXFP8_MXFP4
+    if mxfp4_b and isinstance(b, torch.Tensor) and b.dtype == torch.int8:
+        raise TypeError("b is int8 (mxfp4.prepare_weights' layout, for Hopper's conversion); Blackwell's "
+                        "mxfp8_mxfp4 kernel reads the checkpoint's packed e2m1 blocks as they are: pass them "
+                        "as uint8 or float4_e2m1fn_x2 [E, N, K/2]")
+    check_tensor("a", a, 3, _FP4_BYTES if fmt is Format.NVFP4 else (FP8,))
+    check_tensor("b", b, 3, _FP4_BYTES if fmt in (Format.NVFP4, Format.MXFP8_MXFP4) else (FP8,))
     check_tensor("masked_m", masked_m, 1, (torch.int32,))
     e_count, max_m, _ = a.shape
     k = logical_k(fmt, a)
-    packed = " (2 e2m1 per byte)" if fmt is Format.NVFP4 else ""
     n, b_k = check_expert_dims(a, b)
-    if b_k != a.shape[2]:
+    if mxfp4_b:
+        if 2 * b_k != k:
+            raise ValueError(f"b.shape[2] must be K/2 = {k // 2} (two e2m1 codes per byte; K = a.shape[2] = "
+                             f"{k}), got {b_k}")
+    elif b_k != a.shape[2]:
+        packed = " (2 e2m1 per byte)" if fmt is Format.NVFP4 else ""
         raise ValueError(f"b.shape[2] must equal a.shape[2] = {a.shape[2]}{packed}, got {b_k}")
     if k < fmt.k_align or k % fmt.k_align:
         what = "2 * a.shape[2]" if fmt is Format.NVFP4 else "a.shape[2]"
+        why = ("the unpacking TMA reads 64-byte pieces of each packed row of b" if mxfp4_b
+               else "whole scale blocks, 16-byte rows")
         raise ValueError(f"K ({what} = {k}) must be a positive multiple of {fmt.k_align} for "
-                         f"{fmt.value} (whole scale blocks, 16-byte rows)")
+                         f"{fmt.value} ({why})")
+    if mxfp4_b:
+        _check_padded_b(b)
     if n < _OUT_ALIGN or n % _OUT_ALIGN:
         raise ValueError(f"N (b.shape[1]) must be a positive multiple of {_OUT_ALIGN} "
                          f"(16-byte bf16 output rows), got {n}")
@@ -152,6 +166,17 @@ def validate_blockscaled_args(
     return e_count, max_m, n, k
 
 
+def _check_padded_b(b) -> None:
+    """The unpacking TMA's own rules for packed e2m1 b: a 32-byte-aligned
+    base and row and expert strides."""
+    if b.data_ptr() % 32:
+        raise ValueError("b base address must be 32-byte aligned for mxfp8_mxfp4 (the unpacking TMA)")
+    for dim in (0, 1):
+        if b.stride(dim) % 32 and b.shape[dim] > 1:
+            raise ValueError(f"b.stride({dim}) must be a multiple of 32 bytes for mxfp8_mxfp4 (the unpacking "
+                             f"TMA), got {b.stride(dim)}")
+
+
 def validate_mxfp4_weight_args(a, b, out, masked_m, a_scale, b_scale,
                                fmt: Format = Format.FP8_MXFP4) -> tuple[int, int, int, int]:
     """Every metadata check of an FP8_MXFP4 / BF16_MXFP4 call: a and a_scale
@@ -162,7 +187,8 @@ def validate_mxfp4_weight_args(a, b, out, masked_m, a_scale, b_scale,
     check_tensor("a", a, 3, (FP8,) if fp8 else (torch.bfloat16,))
     if isinstance(b, torch.Tensor) and b.dtype in _FP4_BYTES:
         raise TypeError(f"MXFP4 weights ({b.dtype}) go to the Hopper kernel in its own layout: pass "
-                        "b, b_scale = flashgemm.mxfp4.prepare_weights(packed, scales) (int8 b), made once per weight")
+                        "b, b_scale = flashgemm.mxfp4.prepare_weights(packed, scales) (int8 b), made once per weight "
+                        "(Blackwell reads the packed bytes with MXFP8 activations: flashgemm.mxfp4.blackwell_weights)")
     check_tensor("b", b, 3, (torch.int8,))
     check_tensor("masked_m", masked_m, 1, (torch.int32,))
     e_count, max_m, k = a.shape

@@ -18,6 +18,10 @@ are shaped and typed, and what the epilogue multiplies in:
 * ``BF16_MXFP4``: 4-bit weights with bf16 activations. ``a`` bf16, no
   scales; ``b`` as in FP8_MXFP4. Hopper converts b to bf16 in the kernel,
   each group's exponent folded in exactly.
+* ``MXFP8_MXFP4``: 4-bit weights with MXFP8 activations, Blackwell's
+  ``kind::mxf8f6f4``: ``a`` as in MXFP8, ``b`` e2m1 packed two per byte
+  along K (a checkpoint's ``blocks`` as they are), E8M0 scales per 32 of K
+  on both, in the 128x4-atom layout. The tensor core reads b as it is.
 
 MXFP8 and NVFP4 scales use the 128x4-atom layout of ``blockscale``.
 """
@@ -35,23 +39,24 @@ class Format(enum.Enum):
     NVFP4 = "nvfp4"
     FP8_MXFP4 = "fp8_mxfp4"
     BF16_MXFP4 = "bf16_mxfp4"
+    MXFP8_MXFP4 = "mxfp8_mxfp4"
 
     @property
     def sf_vec_size(self) -> Optional[int]:
         """Elements of K that share one scale factor (None without scales)."""
         return {Format.BF16: None, Format.FP8_BLOCK128: 128, Format.MXFP8: 32, Format.NVFP4: 16,
-                Format.FP8_MXFP4: 32, Format.BF16_MXFP4: 32}[self]
+                Format.FP8_MXFP4: 32, Format.BF16_MXFP4: 32, Format.MXFP8_MXFP4: 32}[self]
 
     @property
     def element_bits(self) -> int:
         """Bits per element of ``a`` (the MMA's operand width)."""
         return {Format.BF16: 16, Format.FP8_BLOCK128: 8, Format.MXFP8: 8, Format.NVFP4: 4, Format.FP8_MXFP4: 8,
-                Format.BF16_MXFP4: 16}[self]
+                Format.BF16_MXFP4: 16, Format.MXFP8_MXFP4: 8}[self]
 
     @property
     def weight_bits(self) -> int:
         """Bits per element of ``b`` as stored."""
-        return 4 if self.converts_weights else self.element_bits
+        return 4 if self.converts_weights or self is Format.MXFP8_MXFP4 else self.element_bits
 
     @property
     def converts_weights(self) -> bool:
@@ -78,10 +83,11 @@ class Format(enum.Enum):
     @property
     def block_scaled(self) -> bool:
         """Scales applied by the tensor core (Blackwell ``kind::mx*.block_scale``)."""
-        return self in (Format.MXFP8, Format.NVFP4)
+        return self in (Format.MXFP8, Format.NVFP4, Format.MXFP8_MXFP4)
 
     @property
     def k_align(self) -> int:
-        """K must be a multiple of this (a whole scale block, and 16-byte TMA rows)."""
+        """K must be a multiple of this (a whole scale block, and 16-byte TMA
+        rows; MXFP8_MXFP4: the unpacking TMA's 64-byte pieces of packed b)."""
         return {Format.BF16: 8, Format.FP8_BLOCK128: 128, Format.MXFP8: 32, Format.NVFP4: 32, Format.FP8_MXFP4: 32,
-                Format.BF16_MXFP4: 32}[self]
+                Format.BF16_MXFP4: 32, Format.MXFP8_MXFP4: 128}[self]

@@ -16,6 +16,10 @@ E8M0 exponent per 32 of K.
   K/2] bytes in the kernel's nibble layout (``device.e2m1``: each sign bit
   where the conversion ORs it in) and the exponents stored N contiguous (one
   TMA box brings a tile's). ``unprepare_weights`` undoes the byte layout.
+* ``blackwell_weights(packed, scales)``: the weights as Blackwell's
+  ``Format.MXFP8_MXFP4`` kernel takes them: the packed bytes as they are
+  (the tensor core reads e2m1 itself) and the exponents in the 128x4-atom
+  layout of ``blockscale.to_blocked_scales``.
 * ``dequantize_as_kernel(packed, scales, tile_n)``: what that kernel
   multiplies: ``dequantize_mxfp4`` with the groups more than 14 binades
   below their tile's largest exponent flushed to zero (with bf16
@@ -36,7 +40,9 @@ from typing import Optional
 
 import torch
 
-from .blockscale import E8M0_BIAS, E8M0_NAN, e2m1_to_float, e8m0_to_float, float_to_e2m1, pack_e2m1, unpack_e2m1
+from .blockscale import (
+    E8M0_BIAS, E8M0_NAN, e2m1_to_float, e8m0_to_float, float_to_e2m1, pack_e2m1, to_blocked_scales, unpack_e2m1,
+)
 
 MX_BLOCK = 32  # values of K per E8M0 exponent
 E2M1_EMAX = 2  # e2m1's largest exponent (6 = 1.5 * 2**2)
@@ -128,6 +134,23 @@ def prepare_weights(packed: torch.Tensor, scales: torch.Tensor):
         raise ValueError(f"scales holds E8M0 byte {int(s[where])} at (expert, row, group) {where}: the kernels "
                          f"take at most {MAX_E8M0} (255 is NaN; above {MAX_E8M0} the values leave the bf16 range)")
     return kernel_bytes(codes), n_contiguous(s)
+
+
+def blackwell_weights(packed: torch.Tensor, scales: torch.Tensor):
+    """(packed [E, N, K/2], scales [E, N, K/32]) in the OCP layout -> (b uint8
+    [E, N, K/2] contiguous, b_scale uint8 (E, ceil(N/128), ceil(K/128), 32, 4, 4)):
+    what ``grouped_gemm_nt_masked`` takes for MXFP4 weights on sm_100 / sm_103
+    (``Format.MXFP8_MXFP4``, with MXFP8 activations). K must be a multiple of
+    128 there (the TMA that unpacks b reads 64-byte pieces of each row)."""
+    codes, s = _check_pair(packed, scales)
+    if codes.dim() != 3:
+        raise ValueError(f"packed must be [E, N, K/2], got {tuple(packed.shape)}")
+    k = codes.shape[-1]
+    if k % 128:
+        raise ValueError(f"K = {k} must be a multiple of 128 for Blackwell's MXFP4 kernel (its TMA unpacks b in "
+                         "64-byte pieces of each packed row)")
+    b = packed.view(torch.uint8) if packed.dtype != torch.uint8 else packed
+    return b.contiguous(), to_blocked_scales(s)
 
 
 def n_contiguous(t: torch.Tensor) -> torch.Tensor:

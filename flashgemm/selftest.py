@@ -130,8 +130,8 @@ def _check_layer(fp8: bool):
 
 
 # what a GPU without Blackwell's block-scaled tensor cores cannot check
-NOT_ON_HOPPER = ("MXFP8 and NVFP4 GEMMs (block-scaled formats of Blackwell's tensor cores): "
-                 "not checked, this GPU has no kernels for them (they need sm_100 / sm_103)")
+NOT_ON_HOPPER = ("MXFP8 and NVFP4 GEMMs, and MXFP4 weights with MXFP8 activations (block-scaled formats of "
+                 "Blackwell's tensor cores): not checked, this GPU has no kernels for them (they need sm_100 / sm_103)")
 NOT_ON_BLACKWELL = "MoE layer with the fused combine: not checked, the fused combine runs on sm_90 only"
 
 

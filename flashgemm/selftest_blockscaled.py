@@ -33,10 +33,17 @@ def guards_intact(buf) -> bool:
 
 
 def operands(fmt: str, e_count, max_m, n, k):
-    """Random a, b quantized to ``fmt`` ("mxfp8" / "nvfp4"): (a, b, the GEMM's
-    keyword arguments, the reference's row-major scales and alpha)."""
+    """Random a, b quantized to ``fmt`` ("mxfp8" / "nvfp4" / "mxfp8_mxfp4"): (a,
+    b, the GEMM's keyword arguments, the reference's row-major scales and alpha)."""
     x = torch.randn(e_count, max_m, k, device="cuda")
     w = torch.randn(e_count, n, k, device="cuda") / k**0.5
+    if fmt == "mxfp8_mxfp4":
+        from .mxfp4 import blackwell_weights, quantize_mxfp4
+
+        a, sa = quantize_mxfp8(x)
+        packed, sb = quantize_mxfp4(w)
+        b, b_scale = blackwell_weights(packed, sb)
+        return a, b, dict(a_scale=to_blocked_scales(sa), b_scale=b_scale, alpha=None), (sa, sb, None)
     if fmt == "mxfp8":
         a, sa = quantize_mxfp8(x)
         b, sb = quantize_mxfp8(w)
@@ -127,10 +134,12 @@ def check_signals(fmt: str) -> list:
 def checks() -> list:
     """(name, check) of every block-scaled check."""
     found = []
-    for fmt, label in (("mxfp8", "MXFP8 (E8M0 per 32)"), ("nvfp4", "NVFP4 (e4m3 per 16, alpha)")):
+    for fmt, label in (("mxfp8", "MXFP8 (E8M0 per 32)"), ("nvfp4", "NVFP4 (e4m3 per 16, alpha)"),
+                       ("mxfp8_mxfp4", "MXFP4 weights, MXFP8 activations")):
+        odd_k = 384 if fmt == "mxfp8_mxfp4" else 288  # (MXFP4 weights: K a multiple of 128)
         found += [
             (f"{label} GEMM, odd shapes, empty / over-long / negative masked_m",
-             lambda fmt=fmt: check_gemm(fmt, 5, 37, 200, 288, [0, 1, 37, 99, -4])),
+             lambda fmt=fmt, odd_k=odd_k: check_gemm(fmt, 5, 37, 200, odd_k, [0, 1, 37, 99, -4])),
             (f"{label} GEMM, one expert", lambda fmt=fmt: check_gemm(fmt, 1, 300, 256, 512, [257])),
             (f"{label} GEMM, every expert empty", lambda fmt=fmt: check_gemm(fmt, 4, 64, 128, 256, [0, 0, 0, 0])),
             (f"{label} GEMM, decode shape", lambda fmt=fmt: check_gemm(

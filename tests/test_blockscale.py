@@ -435,7 +435,7 @@ ERRORS = [
      "blocked must be (L, rm, rk, 32, 4, 4), got shape (1, 1, 32, 4, 4)"),
     ("unblocked-shape", lambda: from_blocked_scales(torch.zeros(1, 1, 1, 32, 4, 4, dtype=torch.uint8), 130, 4),
      "blocked must have shape (1, 2, 1, 32, 4, 4) (tiled scales for m=130, s=4), got (1, 1, 1, 32, 4, 4)"),
-    ("ref-fmt", lambda: _ref("fp4"), "fmt must be 'mxfp8' or 'nvfp4', got 'fp4'"),
+    ("ref-fmt", lambda: _ref("fp4"), "fmt must be 'mxfp8', 'nvfp4' or 'mxfp8_mxfp4', got 'fp4'"),
     ("ref-a-2d", lambda: _ref("mxfp8", a=_q8(8, 64)[0], sa=_q8(8, 64)[1]),
      "a must be [E, rows, K], got shape (8, 64)"),
     ("ref-a-dtype", lambda: _ref("mxfp8", a=torch.zeros(2, 8, 64, dtype=torch.bfloat16)),
@@ -465,3 +465,24 @@ ERRORS = [
 def test_error_messages(call, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         call()
+
+
+def test_power_of_two_block128_scales_become_mx_scales():
+    """DeepSeek's UE8M0 1x128 scales are exact E8M0 bytes over each 32-block:
+    the fp8 values dequantize to the same numbers either way."""
+    from flashgemm.blockscale import dequantize_mxfp8, mx_scales_from_block128
+
+    g = torch.Generator().manual_seed(5)
+    k = 320  # a partial last 128-block (2.5 blocks, 10 32-blocks)
+    q = (torch.randn(2, 3, k, generator=g) * 50).to(torch.float8_e4m3fn)
+    exps = torch.randint(-20, 20, (2, 3, 3), generator=g)
+    a_scale = torch.pow(2.0, exps.float())
+    mx = mx_scales_from_block128(a_scale, k)
+    assert mx.dtype == torch.uint8 and tuple(mx.shape) == (2, 3, 10)
+    want = q.float() * a_scale.repeat_interleave(128, dim=-1)[..., :k]
+    assert torch.equal(dequantize_mxfp8(q, mx), want)
+    a_scale[1, 2, 1] = 3.0
+    with pytest.raises(ValueError, match=r"a_scale\[\(1, 2, 1\)\] = 3.0 is not a power of two"):
+        mx_scales_from_block128(a_scale, k)
+    with pytest.raises(ValueError, match=r"a_scale must be \[\.\.\., ceil\(K/128\)\] = \[\.\.\., 2\]"):
+        mx_scales_from_block128(torch.ones(1, 3), 256)

@@ -1,5 +1,6 @@
 """GPU correctness of the Blackwell (sm_100 / sm_103) path of the public call:
-MXFP8, NVFP4 (with alpha), bf16 and DeepSeek's 1x128 fp8, with poisoned
+MXFP8, NVFP4 (with alpha), bf16, DeepSeek's 1x128 fp8 and MXFP4 weights
+beside MXFP8 activations (kind::mxf8f6f4), with poisoned
 padding rows and guard regions around ``out``, odd shapes, empty and
 over-long experts, both signal granularities, CUDA-graph replay and the
 FlashInfer entry point. Skipped unless a GPU of compute capability 10.x is
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 POISON = -12345.0  # exactly representable in bf16, never produced by the data below
 GUARD = 4096  # elements of poisoned memory on each side of `out`
-FORMATS = ("mxfp8", "nvfp4", "bf16", "fp8_block128")
+FORMATS = ("mxfp8", "nvfp4", "bf16", "fp8_block128", "mxfp8_mxfp4")
 
 
 class Case:
@@ -47,6 +48,14 @@ class Case:
             alpha = nvfp4_alpha(ga, gb).cuda() * alpha_scale
             self._ref_scales = (sa, sb, alpha)
             self.kw = dict(a_scale=to_blocked_scales(sa), b_scale=to_blocked_scales(sb), alpha=alpha)
+        elif fmt == "mxfp8_mxfp4":
+            from flashgemm.mxfp4 import blackwell_weights, quantize_mxfp4
+
+            self.a, sa = quantize_mxfp8(x)
+            packed, sb = quantize_mxfp4(w)  # a checkpoint's packed blocks, read as they are
+            self.b, b_scale = blackwell_weights(packed, sb)
+            self._ref_scales = (sa, sb, None)
+            self.kw = dict(a_scale=to_blocked_scales(sa), b_scale=b_scale)
         elif fmt == "bf16":
             self.a, self.b = x.bfloat16(), w.bfloat16()
         else:
@@ -55,7 +64,7 @@ class Case:
             self.kw = dict(a_scale=sa, b_scale=sb)
 
     def reference(self):
-        if self.fmt in ("mxfp8", "nvfp4"):
+        if self.fmt in ("mxfp8", "nvfp4", "mxfp8_mxfp4"):
             sa, sb, alpha = self._ref_scales
             return grouped_gemm_nt_masked_blockscaled_ref(self.a, sa, self.b, sb, self.masked_m, fmt=self.fmt,
                                                           alpha=alpha)
@@ -87,9 +96,12 @@ def _check(case, out, buf, tol=1e-2):
 
 
 def _shape(fmt, n, k):
-    """fp8 1x128 rows need N and K multiples of 16; the others N % 8 and K % 32."""
+    """fp8 1x128 rows need N and K multiples of 16; MXFP4 weights K % 128 (the
+    unpacking TMA); the others N % 8 and K % 32."""
     if fmt == "fp8_block128":
         return -(-n // 16) * 16, -(-k // 16) * 16
+    if fmt == "mxfp8_mxfp4":
+        return n, -(-k // 128) * 128
     return n, k
 
 
@@ -120,7 +132,7 @@ def test_matches_reference(fmt, shape, seed):
     _check(case, out, buf)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "bf16"])
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "bf16", "mxfp8_mxfp4"])
 def test_every_heuristic_tile_and_small_grids(fmt, seed):
     from flashgemm.formats import Format
     from flashgemm.sm100.config import Sm100Config
@@ -128,6 +140,8 @@ def test_every_heuristic_tile_and_small_grids(fmt, seed):
 
     case = Case(fmt, 5, 300, 520, 512, [300, 0, 1, 257, 129])
     for tile in TILES:
+        if fmt == "mxfp8_mxfp4" and tile["tile_m"] == 256:
+            continue  # (one CTA per tile: limits)
         cfg = Sm100Config(fmt=Format(fmt), **tile)
         for num_sms in (cfg.cluster_size, 7, None):
             buf, out = _poisoned_out(5, 300, 520)

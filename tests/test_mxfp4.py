@@ -118,3 +118,31 @@ def test_bad_arguments_name_themselves():
         dequantize_mxfp4(packed, torch.zeros(2, 2, dtype=torch.float32))
     with pytest.raises(ValueError, match=r"blocks must be uint8 \[\.\.\., N, K/32, 16\]"):
         from_checkpoint(torch.zeros(2, 3, 8, dtype=torch.uint8), torch.zeros(2, 3, dtype=torch.uint8))
+
+
+def test_blackwell_weights_keep_the_bytes_and_block_the_scales():
+    """Blackwell's MXFP4 kernel reads the packed bytes as they are and the
+    exponents in the 128x4-atom layout; the reference dequantizes both the
+    way the checkpoint's loaders do."""
+    from flashgemm.blockscale import from_blocked_scales, grouped_gemm_nt_masked_blockscaled_ref, quantize_mxfp8
+    from flashgemm.mxfp4 import blackwell_weights
+
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (2, 136, 8, 16), generator=g, dtype=torch.uint8)  # N = 136, K = 256
+    raw = torch.randint(110, 140, (2, 136, 8), generator=g, dtype=torch.uint8)
+    packed, scales = from_checkpoint(blocks, raw)
+    b, b_scale = blackwell_weights(packed.view(torch.float4_e2m1fn_x2), scales)
+    assert b.dtype == torch.uint8 and torch.equal(b, packed) and b.is_contiguous()
+    assert tuple(b_scale.shape) == (2, 2, 2, 32, 4, 4)
+    assert torch.equal(from_blocked_scales(b_scale, 136, 8), scales)
+    # the reference of fmt="mxfp8_mxfp4": MXFP8 a times the checkpoint's values
+    a, sa = quantize_mxfp8(torch.randn(2, 5, 256, generator=g))
+    masked_m = torch.tensor([5, 2], dtype=torch.int32)
+    ref = grouped_gemm_nt_masked_blockscaled_ref(a, sa, b, scales, masked_m, fmt="mxfp8_mxfp4")
+    a_f = a.double() * torch.pow(2.0, sa.double() - 127).repeat_interleave(32, dim=-1)
+    w_f = dequantize_mxfp4(packed, scales).double()
+    for e, m in enumerate((5, 2)):
+        assert torch.allclose(ref[e, :m].double(), a_f[e, :m] @ w_f[e].T, rtol=1e-6, atol=1e-30)
+        assert not ref[e, m:].any()
+    with pytest.raises(ValueError, match="K = 96 must be a multiple of 128 for Blackwell's MXFP4 kernel"):
+        blackwell_weights(*quantize_mxfp4(torch.randn(2, 8, 96)))

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import flashgemm
 from flashgemm import Combine, GemmConfig, Promotion, Sm100Config, Tail, TileOrder
-from flashgemm.blockscaled_args import blocked_scale_shape, validate_blockscaled_args
+from flashgemm.blockscaled_args import blocked_scale_shape, validate_blockscaled_args, validate_mxfp4_weight_args
 from flashgemm.config import Epilogue
 from flashgemm.formats import Format
 from flashgemm.schedule.model import tile_order, valid_tiles
@@ -78,7 +78,7 @@ def valid_calls(draw, formats=tuple(Format), combine=None, out=None, experts=(1,
     e = draw(st.integers(*experts))
     m = draw(st.integers(1, 80))
     n_mult, k_mult = {Format.BF16: (8, 8), Format.FP8_BLOCK128: (16, 16), Format.FP8_MXFP4: (16, 32),
-                      Format.BF16_MXFP4: (16, 32)}.get(fmt, (8, 32))
+                      Format.BF16_MXFP4: (16, 32), Format.MXFP8_MXFP4: (8, 128)}.get(fmt, (8, 32))
     n = n_mult * draw(st.integers(1, 160 // n_mult))
     k = k_mult * draw(st.integers(1, 256 // k_mult))
     args = dict(masked_m=torch.tensor(draw(st.lists(st.integers(-4, m + 4), min_size=e, max_size=e)),
@@ -99,7 +99,10 @@ def valid_calls(draw, formats=tuple(Format), combine=None, out=None, experts=(1,
         packed = k // 2 if fmt is Format.NVFP4 else k
         ab = FP4 if fmt is Format.NVFP4 else FP8
         sf = FP8 if fmt is Format.NVFP4 else draw(st.sampled_from([E8M0, torch.float8_e8m0fnu]))
-        args.update(a=torch.zeros(e, m, packed, dtype=ab), b=torch.zeros(e, n, packed, dtype=ab),
+        b = torch.zeros(e, n, packed, dtype=ab)
+        if fmt is Format.MXFP8_MXFP4:  # (a checkpoint's packed e2m1 bytes)
+            b = torch.zeros(e, n, k // 2, dtype=torch.uint8).view(draw(st.sampled_from([FP4, torch.float4_e2m1fn_x2])))
+        args.update(a=torch.zeros(e, m, packed, dtype=ab), b=b,
                     a_scale=torch.zeros(blocked_scale_shape(fmt, e, m, k), dtype=sf),
                     b_scale=torch.zeros(blocked_scale_shape(fmt, e, n, k), dtype=sf))
         if fmt is Format.NVFP4:
@@ -393,7 +396,13 @@ def _call_accepts(fmt: Format, e: int, m: int, n: int, k: int) -> bool:
     """Whether the call's own metadata checks take these sizes (valid tensors otherwise)."""
     mm = torch.zeros(e, dtype=torch.int32)
     try:
-        if fmt in SM90_FORMATS:
+        if fmt.converts_weights:  # (prepared int8 weights, exponents N contiguous)
+            fp8 = fmt is Format.FP8_MXFP4
+            validate_mxfp4_weight_args(
+                torch.zeros(e, m, k, dtype=FP8 if fp8 else BF16), torch.zeros(e, n, k // 2, dtype=torch.int8), None,
+                mm, torch.ones(e, m, cdiv(k, 128)) if fp8 else None,
+                torch.zeros(e, k // 32, n, dtype=E8M0).transpose(1, 2), fmt)
+        elif fmt in SM90_FORMATS:
             dtype = BF16 if fmt is Format.BF16 else FP8
             scales = {} if fmt is Format.BF16 else dict(a_scale=torch.ones(e, m, cdiv(k, 128)),
                                                           b_scale=torch.ones(e, cdiv(n, 128), cdiv(k, 128)))
@@ -401,8 +410,10 @@ def _call_accepts(fmt: Format, e: int, m: int, n: int, k: int) -> bool:
         else:
             packed, ab = (k // 2, FP4) if fmt is Format.NVFP4 else (k, FP8)
             sf = FP8 if fmt is Format.NVFP4 else E8M0
+            b = torch.zeros(e, n, k // 2 if fmt is Format.MXFP8_MXFP4 else packed,
+                            dtype=FP4 if fmt in (Format.NVFP4, Format.MXFP8_MXFP4) else ab)
             validate_blockscaled_args(
-                fmt, torch.zeros(e, m, packed, dtype=ab), torch.zeros(e, n, packed, dtype=ab), None, mm,
+                fmt, torch.zeros(e, m, packed, dtype=ab), b, None, mm,
                 torch.zeros(blocked_scale_shape(fmt, e, m, k), dtype=sf),
                 torch.zeros(blocked_scale_shape(fmt, e, n, k), dtype=sf),
                 torch.ones(e) if fmt is Format.NVFP4 else None)

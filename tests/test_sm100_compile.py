@@ -152,7 +152,7 @@ def test_ptx_of_each_spec(runs, arch, spec):
     # scale factors reach TMEM by tcgen05.cp, loaded by 4d TMA (the 128x4 atoms)
     assert ("tcgen05.cp" in feats) == cfg.fmt.block_scaled
     assert bool(re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::\w+\.global", ptx)) == cfg.fmt.block_scaled
-    if cfg.fmt is Format.MXFP8:
+    if cfg.fmt in (Format.MXFP8, Format.MXFP8_MXFP4):
         assert ".block_scale.block32" in ptx
     if cfg.fmt is Format.NVFP4:
         assert ".block_scale.block16" in ptx
@@ -172,6 +172,61 @@ def test_ptx_of_each_spec(runs, arch, spec):
     assert ".local" not in ptx  # no register spills
     # programmatic dependent launch: wait before global accesses, trigger after the loads
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+
+
+def _normalized(ptx):
+    """PTX lines with register numbers, labels and the kernel's name erased."""
+    ptx = re.sub(r"kernel_cutlass\w+", "K", ptx)
+    ptx = re.sub(r"%(rd|r|p|f|rs)\d+", r"%\1", ptx)
+    ptx = re.sub(r"\$L__BB\d+_\d+", "L", ptx)
+    return [line.strip() for line in ptx.splitlines() if line.strip()]
+
+
+def _idesc_fields(value):
+    """(a type, b type, N, M) of a kind::mxf8f6f4 instruction descriptor (PTX ISA's table)."""
+    return (value >> 7) & 7, (value >> 10) & 7, ((value >> 17) & 63) << 3, ((value >> 24) & 31) << 4
+
+
+E4M3, E2M1 = 0, 5  # the f8f6f4 kinds' type codes
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tile_n", (64, 128))
+def test_mxfp4_weights_change_only_b(runs, arch, tile_n):
+    """MXFP4 weights (kind::mxf8f6f4 with e2m1 B) against MXFP8 of the same
+    tile: the same MMAs on the same shared-memory descriptors (a padded e2m1
+    k-tile is laid out as an 8-bit one); the instruction descriptor's B type
+    E2M1; B by its own tensor map (a grid-constant kernel parameter), each
+    stage expecting the packed bytes, half of B's shared memory."""
+    from flashgemm.sm100.config import Sm100Config, Sm100Spec
+
+    rc, out, found = _listing(runs[arch])
+    assert rc == 0, out[-3000:]
+    mx4 = runs[arch].ptx(Sm100Spec(Sm100Config(fmt=Format.MXFP8_MXFP4, tile_n=tile_n)))
+    mx8 = runs[arch].ptx(Sm100Spec(Sm100Config(fmt=Format.MXFP8, tile_n=tile_n)))
+    n4, n8 = _normalized(mx4), _normalized(mx8)
+    mma = [line for line in n4 if line.startswith("tcgen05.mma")]
+    assert mma and mma == [line for line in n8 if line.startswith("tcgen05.mma")]
+    # shared-memory descriptor templates (or'ed into the stage addresses) are the same
+    desc = re.compile(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);")
+    assert sorted(desc.findall(mx4)) == sorted(desc.findall(mx8)) != []
+    # instruction descriptors: e4m3 A, and B e2m1 where MXFP8 has e4m3
+    idesc = re.compile(r"or\.b32\s+%r\d+, %r\d+, (\d+);")
+    fields4 = {_idesc_fields(int(v)) for v in idesc.findall(mx4) if _idesc_fields(int(v))[3] == 128}
+    fields8 = {_idesc_fields(int(v)) for v in idesc.findall(mx8) if _idesc_fields(int(v))[3] == 128}
+    assert fields4 == {(E4M3, E2M1, tile_n, 128)} and fields8 == {(E4M3, E4M3, tile_n, 128)}
+    # each stage's transaction: A, B and the scales; B counts its packed bytes
+    tx = re.compile(r"mov\.b32\s+%r\d+, (\d+);\s*mbarrier\.arrive\.expect_tx")
+    (tx4,), (tx8,) = set(tx.findall(mx4)), set(tx.findall(mx8))
+    assert int(tx8) - int(tx4) == tile_n * 128 // 2
+    # B's tensor map is one more 128-byte grid-constant parameter in place of B's TMA atom
+    params = re.compile(r"\.param \.align 64 \.b8 \w+\[128\]")
+    assert len(params.findall(mx4)) == len(params.findall(mx8)) == 5
+    # the same number of 3d loads (A, B) and 4d loads (the scales)
+    for rank in ("3d", "4d"):
+        load = rf"cp\.async\.bulk\.tensor\.{rank}\.shared::cta\.global"
+        assert len(re.findall(load, mx4)) == len(re.findall(load, mx8)) > 0
+    assert ".local" not in mx4
 
 
 def test_sm100_ok_requires_the_right_features():

@@ -19,7 +19,7 @@ from flashgemm.sm100.config import SIGNAL_MODES, CtaGroup, Sm100Config, Sm100Spe
 from flashgemm.sm100.heuristic import choose_config, reachable_specs
 from flashgemm.sm100.limits import check_config, check_spec
 
-FORMATS = (Format.MXFP8, Format.NVFP4, Format.BF16)
+FORMATS = (Format.MXFP8, Format.NVFP4, Format.BF16, Format.MXFP8_MXFP4)
 
 
 def test_reachable_specs_are_legal_unique_and_modest():
@@ -52,6 +52,8 @@ def test_reachable_specs_are_legal_unique_and_modest():
     (dict(stages=40), "config.stages"),  # far past shared memory
     (dict(fmt=Format.FP8_BLOCK128), "config.fmt"),
     (dict(cta_group=2), "config.cta_group"),
+    # MXFP4 weights: B's unpacking tensor map serves one CTA per tile
+    (dict(fmt=Format.MXFP8_MXFP4, tile_m=256, tile_n=256, cta_group=CtaGroup.TWO), "config.cta_group"),
 ])
 def test_illegal_configs_name_the_field(changes, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -73,6 +75,10 @@ def test_budget_numbers():
     assert limits.sf_bytes(Sm100Config(fmt=Format.BF16)) == 0
     # NVFP4: a 128-byte k-tile is 256 elements, 16 scales per row
     assert limits.tile_k(Format.NVFP4) == 256 and limits.sf_bytes(Sm100Config(fmt=Format.NVFP4)) == 256 * 16
+    # MXFP4 weights sit padded in shared memory: a stage as large as MXFP8's
+    for tile_n in (64, 128, 256):
+        mx4, mx8 = Sm100Config(fmt=Format.MXFP8_MXFP4, tile_n=tile_n), Sm100Config(fmt=Format.MXFP8, tile_n=tile_n)
+        assert limits.stage_bytes(mx4) == limits.stage_bytes(mx8) and limits.tmem_cols(mx4) == limits.tmem_cols(mx8)
     # the explicit stage count is what is used
     assert limits.resolved_stages(Sm100Config(stages=3)) == 3
 

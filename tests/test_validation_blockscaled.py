@@ -41,6 +41,17 @@ def nvfp4_case(e=E, m=M, n=N, k=K, packed_dtype=torch.uint8):
                 a_scale=to_blocked_scales(sa), b_scale=to_blocked_scales(sb), alpha=nvfp4_alpha(ga, gb))
 
 
+def mxfp4_case(e=E, m=M, n=N, k=K, packed_dtype=torch.uint8):
+    """MXFP8 activations and a checkpoint's MXFP4 weights as they are (Blackwell's kind::mxf8f6f4)."""
+    from flashgemm.mxfp4 import quantize_mxfp4
+
+    a, sa = quantize_mxfp8(torch.randn(e, m, k))
+    b, sb = quantize_mxfp4(torch.randn(e, n, k))
+    return dict(a=a, b=b.view(packed_dtype), out=torch.empty(e, m, n, dtype=torch.bfloat16),
+                masked_m=torch.full((e,), m, dtype=torch.int32),
+                a_scale=to_blocked_scales(sa), b_scale=to_blocked_scales(sb), alpha=None)
+
+
 def check(fmt, args):
     return validate_blockscaled_args(fmt, args["a"], args["b"], args["out"], args["masked_m"], args["a_scale"],
                                      args["b_scale"], args["alpha"])
@@ -67,6 +78,12 @@ def test_format_follows_the_dtypes():
     assert infer_format(torch.empty(1, 1, 16, dtype=torch.uint8), None) is Format.NVFP4
     assert infer_format(torch.empty(1, 1, 16, dtype=torch.float4_e2m1fn_x2), None) is Format.NVFP4
     assert infer_format(torch.empty(1, 1, 8, dtype=torch.float16), None) is Format.BF16  # (refused by its checks)
+    # packed e2m1 b beside fp8 a: E8M0 a_scale is Blackwell's MXFP4 kernel, fp32 Hopper's
+    for packed in (torch.uint8, torch.float4_e2m1fn_x2):
+        b4 = torch.empty(1, 1, 16, dtype=packed)
+        assert infer_format(f8, torch.empty(1, dtype=torch.float8_e8m0fnu), b4) is Format.MXFP8_MXFP4
+        assert infer_format(f8, torch.empty(1, dtype=torch.uint8), b4) is Format.MXFP8_MXFP4
+        assert infer_format(f8, torch.empty(1, 1, 1), b4) is Format.FP8_MXFP4
 
 
 def test_fp8_with_a_scale_of_another_dtype_names_both_choices():
@@ -95,6 +112,42 @@ def test_valid_nvfp4_reports_k_in_elements(packed):
     args = nvfp4_case(packed_dtype=packed)
     assert args["a"].shape[2] == K // 2
     assert check(Format.NVFP4, args) == (E, M, N, K)
+
+
+@pytest.mark.parametrize("packed", [torch.uint8, torch.float4_e2m1fn_x2])
+def test_valid_mxfp4_weights_report_k_in_elements(packed):
+    args = mxfp4_case(packed_dtype=packed)
+    assert args["b"].shape[2] == K // 2
+    assert check(Format.MXFP8_MXFP4, args) == (E, M, N, K)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    # Hopper's prepared bytes are not what the tensor core reads
+    (lambda a: a.update(b=a["b"].view(torch.int8)), TypeError, r"mxfp8_mxfp4 kernel reads the checkpoint's packed"),
+    (lambda a: a.update(b=a["b"][:, :, :64]), ValueError, r"b\.shape\[2\] must be K/2 = 128"),
+    # K = 160: whole E8M0 groups, but not whole 64-byte pieces of the packed rows
+    (lambda a: a.update(**{k: v for k, v in mxfp4_case(k=160).items() if k != "out"}), ValueError,
+     r"K \(a\.shape\[2\] = 160\) must be a positive multiple of 128 for mxfp8_mxfp4 \(the unpacking TMA"),
+    # rows of 128 + 16 bytes: 16-byte aligned (TMA) but not 32 (the unpacking TMA)
+    (lambda a: a.update(b=torch.zeros(E, N, 144, dtype=torch.uint8)[:, :, :128]), ValueError,
+     r"b\.stride\(1\) must be a multiple of 32 bytes for mxfp8_mxfp4"),
+    (lambda a: a.update(a_scale=a["a_scale"].view(torch.float8_e4m3fn)), TypeError,
+     r"a_scale must be float32 .* or float8_e8m0fnu / uint8"),
+    (lambda a: a.update(b_scale=a["b_scale"][:, :1]), ValueError, r"b_scale must have shape \(E, ceil\(N/128\)"),
+])
+def test_mxfp4_weights_refused(change, error, match):
+    args = mxfp4_case()
+    change(args)
+    with pytest.raises(error, match=match):
+        call(args)
+
+
+def test_mxfp4_weights_need_a_32_byte_aligned_b():
+    args = mxfp4_case()
+    base = torch.zeros(E * N * 128 + 16, dtype=torch.uint8)
+    args["b"] = base[16:].view(E, N, 128)  # 16-byte aligned, not 32
+    with pytest.raises(ValueError, match=r"b base address must be 32-byte aligned for mxfp8_mxfp4"):
+        check(Format.MXFP8_MXFP4, args)
 
 
 def test_valid_without_out_and_with_one_expert():
@@ -308,9 +361,9 @@ def stub_device(monkeypatch):
     return state
 
 
-@pytest.mark.parametrize("case", [mxfp8_case, nvfp4_case])
+@pytest.mark.parametrize("case", [mxfp8_case, nvfp4_case, mxfp4_case])
 def test_hopper_refuses_blackwell_formats_before_launch(stub_device, case):
-    fmt = "mxfp8" if case is mxfp8_case else "nvfp4"
+    fmt = {mxfp8_case: "mxfp8", nvfp4_case: "nvfp4", mxfp4_case: "mxfp8_mxfp4"}[case]
     with pytest.raises(ValueError, match=rf"format '{fmt}' needs a Blackwell GPU \(sm_100/sm_103\); "
                                          r"this GPU's kernels \(sm90\) take: bf16, fp8_block128"):
         call(case())
@@ -323,7 +376,7 @@ def _recording_plan(record):
                       out_dtype=torch.bfloat16, copy_a_scale=False, counter_device=None, views=(), routed=False, layout=None)
 
 
-@pytest.mark.parametrize("case", [mxfp8_case, nvfp4_case])
+@pytest.mark.parametrize("case", [mxfp8_case, nvfp4_case, mxfp4_case])
 def test_sm100_gpu_goes_to_the_sm100_plan_once_per_signature(stub_device, monkeypatch, case):
     from flashgemm.sm100 import launch
 
@@ -338,7 +391,7 @@ def test_sm100_gpu_goes_to_the_sm100_plan_once_per_signature(stub_device, monkey
     args = case()
     call(args, expected_m=8)
     call(args, expected_m=8)
-    fmt = Format.MXFP8 if case is mxfp8_case else Format.NVFP4
+    fmt = {mxfp8_case: Format.MXFP8, nvfp4_case: Format.NVFP4, mxfp4_case: Format.MXFP8_MXFP4}[case]
     assert [r[0] for r in record] == ["plan", "launch", "launch"]
     assert record[0][1] is fmt and record[0][2] == (E, M, N, K) and record[0][3] is args["alpha"]
     assert record[1][1] == (args["a"], args["a_scale"], args["alpha"])

@@ -1,5 +1,5 @@
-"""The sm_100 / sm_103 (Blackwell) backend: tcgen05 kernels for bf16, MXFP8
-and NVFP4 (``kernel``) and DeepSeek's 1x128 fp8 (``blockwise``), with the
+"""The sm_100 / sm_103 (Blackwell) backend: tcgen05 kernels for bf16, MXFP8,
+NVFP4 and MXFP4 weights beside MXFP8 activations (``kernel``) and DeepSeek's 1x128 fp8 (``blockwise``), with the
 plain store and signals. Compiled and PTX-checked here, never run (no
 Blackwell GPU)."""
 
@@ -13,7 +13,8 @@ from ..formats import Format
 from .config import Sm100Config
 
 # the MMA kind each format must use
-MMA_FEATURE = {"mxfp8": "tcgen05-mma-mxf8f6f4", "nvfp4": "tcgen05-mma-mxf4nvf4", "bf16": "tcgen05-mma-f16"}
+MMA_FEATURE = {"mxfp8": "tcgen05-mma-mxf8f6f4", "nvfp4": "tcgen05-mma-mxf4nvf4", "bf16": "tcgen05-mma-f16",
+               "mxfp8_mxfp4": "tcgen05-mma-mxf8f6f4"}
 
 
 def gemm_ptx_ok(spec, feats) -> bool:
@@ -41,7 +42,7 @@ def blockwise_ptx_ok(spec, feats) -> bool:
 class Sm100Backend(Backend):
     name = "sm100"
     label = "sm_100 / sm_103"
-    formats = (Format.BF16, Format.FP8_BLOCK128, Format.MXFP8, Format.NVFP4)
+    formats = (Format.BF16, Format.FP8_BLOCK128, Format.MXFP8, Format.NVFP4, Format.MXFP8_MXFP4)
     epilogues = frozenset({Epilogue.STORE})
     config_type = Sm100Config
 

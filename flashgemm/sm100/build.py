@@ -9,13 +9,15 @@ launches on torch's current stream::
 ===========  =====================================  ==========================================
 argument     shape (contiguous unless said)          torch dtype per format
 ===========  =====================================  ==========================================
-a            (E, max_m, K), K contiguous,            MXFP8 float8_e4m3fn; BF16 bfloat16;
+a            (E, max_m, K), K contiguous,            MXFP8, MXFP8_MXFP4 float8_e4m3fn; BF16 bfloat16;
              16-byte aligned row strides             NVFP4 float4_e2m1fn_x2 of shape
                                                      (E, max_m, K // 2) (two codes a byte,
                                                      even column in the low nibble; a uint8
                                                      tensor passes as ``.view(torch.float4_e2m1fn_x2)``)
-b            (E, N, K), like a                       like a
-sfa, sfb     (E, rm, rk, 32, 4, 4) 128x4 atoms       MXFP8 float8_e8m0fnu, NVFP4 float8_e4m3fn
+b            (E, N, K), like a                       like a; MXFP8_MXFP4 float4_e2m1fn_x2
+                                                     (E, N, K // 2) as NVFP4's, 32-byte aligned
+                                                     base and strides, K a multiple of 128
+sfa, sfb     (E, rm, rk, 32, 4, 4) 128x4 atoms       MXFP8(_MXFP4) float8_e8m0fnu, NVFP4 float8_e4m3fn
              (``blockscale.to_blocked_scales``;      (uint8 bytes as ``.view(...)``); None for BF16
              rm = ceil(max_m / 128) for sfa,
              ceil(N / 128) for sfb;
@@ -51,6 +53,7 @@ TORCH_DTYPES = {
     Format.MXFP8: ("float8_e4m3fn", "float8_e8m0fnu"),
     Format.NVFP4: ("float4_e2m1fn_x2", "float8_e4m3fn"),
     Format.BF16: ("bfloat16", None),
+    Format.MXFP8_MXFP4: ("float8_e4m3fn", "float8_e8m0fnu"),  # (b: float4_e2m1fn_x2, as NVFP4's)
 }
 
 
@@ -62,13 +65,14 @@ def signal_block(spec: Sm100Spec) -> tuple:
 
 
 def _dtypes(fmt: Format):
-    """(a/b element, scale factor) cutlass dtypes of a format."""
+    """(a element, b element, scale factor) cutlass dtypes of a format."""
     import cutlass
 
     return {
-        Format.MXFP8: (cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU),
-        Format.NVFP4: (cutlass.Float4E2M1FN, cutlass.Float8E4M3FN),
-        Format.BF16: (cutlass.BFloat16, None),
+        Format.MXFP8: (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, cutlass.Float8E8M0FNU),
+        Format.NVFP4: (cutlass.Float4E2M1FN, cutlass.Float4E2M1FN, cutlass.Float8E4M3FN),
+        Format.BF16: (cutlass.BFloat16, cutlass.BFloat16, None),
+        Format.MXFP8_MXFP4: (cutlass.Float8E4M3FN, cutlass.Float4E2M1FN, cutlass.Float8E8M0FNU),
     }[fmt]
 
 
@@ -77,7 +81,7 @@ def _fake_args(fmt: Format, with_alpha: bool, with_signals: bool):
     import cutlass
     import cutlass.cute as cute
 
-    ab_dtype, sf_dtype = _dtypes(fmt)
+    a_dtype, b_dtype, sf_dtype = _dtypes(fmt)
     fake = cute.runtime.make_fake_tensor
 
     def ld(dtype):  # a stride in elements that is a multiple of 16 bytes
@@ -85,8 +89,10 @@ def _fake_args(fmt: Format, with_alpha: bool, with_signals: bool):
 
     e, m, n = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=8)
     k = cute.sym_int(divisibility=fmt.k_align)
-    a = fake(ab_dtype, (e, m, k), (ld(ab_dtype), ld(ab_dtype), 1), assumed_align=16)
-    b = fake(ab_dtype, (e, n, k), (ld(ab_dtype), ld(ab_dtype), 1), assumed_align=16)
+    a = fake(a_dtype, (e, m, k), (ld(a_dtype), ld(a_dtype), 1), assumed_align=16)
+    # packed e2m1 b under the unpacking TMA (padded_b): 32-byte rows and base
+    b_ld = cute.sym_int64(divisibility=64) if fmt is Format.MXFP8_MXFP4 else ld(b_dtype)
+    b = fake(b_dtype, (e, n, k), (b_ld, b_ld, 1), assumed_align=32 if fmt is Format.MXFP8_MXFP4 else 16)
     out = fake(cutlass.BFloat16, (e, m, n), (ld(cutlass.BFloat16), ld(cutlass.BFloat16), 1), assumed_align=16)
     masked_m = fake(cutlass.Int32, (e,), (1,), assumed_align=4)
     sfa = sfb = alpha = signals = None
@@ -117,8 +123,8 @@ def build(spec: Sm100Spec, arch: Optional[str] = None, keep_ptx: bool = False):
     from .kernel import MaskedGroupedGemmSm100
 
     config = spec.config
-    ab_dtype, sf_dtype = _dtypes(config.fmt)
-    gemm = MaskedGroupedGemmSm100(config, ab_dtype, sf_dtype, spec.signal_mode)
+    a_dtype, b_dtype, sf_dtype = _dtypes(config.fmt)
+    gemm = MaskedGroupedGemmSm100(config, a_dtype, sf_dtype, spec.signal_mode, b_dtype)
     args = _fake_args(config.fmt, config.has_alpha, spec.signal_mode is not None)
     with compile_options(keep_ptx) as options:
         fn = cute.compile(

@@ -12,7 +12,7 @@ from ..formats import Format
 
 SIGNAL_MODES = (None, "m_block", "expert")
 # formats with a kernel in this package (FP8_BLOCK128 lives in blockwise*)
-SM100_FORMATS = (Format.MXFP8, Format.NVFP4, Format.BF16)
+SM100_FORMATS = (Format.MXFP8, Format.NVFP4, Format.BF16, Format.MXFP8_MXFP4)
 
 
 class CtaGroup(enum.Enum):

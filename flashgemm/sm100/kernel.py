@@ -1,7 +1,8 @@
 """Kernel assembly: the masked grouped GEMM for sm_100a / sm_103a.
 
 out[e, :m_e] = alpha[e] * (a[e, :m_e] @ b[e].T), m_e = clamp(masked_m[e], 0, max_m),
-with MXFP8 / NVFP4 block-scaled or bf16 operands. This module builds the TMA
+with MXFP8 / NVFP4 block-scaled or bf16 operands, or e4m3 A beside MXFP4
+(e2m1) weights (``kind::mxf8f6f4``). This module builds the TMA
 descriptors, the shared storage, the pipelines and the TMEM allocation, then
 hands each warp its role (``producer``, ``mma_warp``, ``epilogue``).
 """
@@ -12,12 +13,14 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
-from cutlass import Int32
+from cutlass import GridConstant, Int32
+from cutlass.experimental.cuda import TensorMap
 from cutlass.cute.nvgpu import cpasync
 
 from ..device.layout import batch_last
 from .config import Sm100Config
 from .limits import SMEM_BYTES
+from .padded_b import padded_b_descriptor
 from .roles import run_roles
 from .tiling import Tiling
 
@@ -43,7 +46,8 @@ class MaskedGroupedGemmSm100:
 
     * warp 5, the **TMA warp** (``producer.run_tma_warp``): walks the
       masked tile order and loads A, B and the scale factors of each k-tile
-      into the ``stages``-deep ring;
+      into the ``stages``-deep ring (MXFP4 weights: B by a tensor map of its
+      own that unpacks e2m1 into the padded form, ``padded_b``);
     * warp 4, the **MMA warp** (``mma_warp.run_mma_warp``): copies each
       stage's scale factors into TMEM (``tcgen05.cp``) and issues the
       ``tcgen05.mma``s into an accumulator buffer in TMEM; in a 2-CTA pair
@@ -76,10 +80,11 @@ class MaskedGroupedGemmSm100:
     issued.
     """
 
-    def __init__(self, config: Sm100Config, ab_dtype, sf_dtype, signal_mode=None):
+    def __init__(self, config: Sm100Config, ab_dtype, sf_dtype, signal_mode=None, b_dtype=None):
         self.config = config
         self.signal_mode = signal_mode
         self.ab_dtype = ab_dtype
+        self.b_dtype = b_dtype or ab_dtype
         self.sf_dtype = sf_dtype
         self.out_dtype = cutlass.BFloat16
         self.cluster_size = config.cluster_size
@@ -98,7 +103,7 @@ class MaskedGroupedGemmSm100:
         num_ctas: Int32,
         stream,
     ):
-        tiling = Tiling(self.config, self.ab_dtype, self.sf_dtype, self.out_dtype).setup()
+        tiling = Tiling(self.config, self.ab_dtype, self.sf_dtype, self.out_dtype, self.b_dtype).setup()
         self.tiling = tiling
         mA_mkl, mB_nkl, mD_mnl = batch_last(mA), batch_last(mB), batch_last(mD)
         tiled_mma, cl_vmnk = tiling.tiled_mma, tiling.cluster_layout_vmnk
@@ -111,8 +116,12 @@ class MaskedGroupedGemmSm100:
         cs = tiling.cluster_shape_mn
         tma_a = load_atom(cute.nvgpu.make_tiled_tma_atom_A, sm100_utils.cluster_shape_to_tma_atom_A(cs, thr_id),
                           mA_mkl, tiling.a_smem_layout, tiling.mma_tiler, tiled_mma, cl_vmnk)
-        tma_b = load_atom(cute.nvgpu.make_tiled_tma_atom_B, sm100_utils.cluster_shape_to_tma_atom_B(cs, thr_id),
-                          mB_nkl, tiling.b_smem_layout, tiling.mma_tiler, tiled_mma, cl_vmnk)
+        desc_b = None
+        if cutlass.const_expr(tiling.b_padded):
+            tma_b, desc_b = None, padded_b_descriptor(mB, tiling.mma_tiler)
+        else:
+            tma_b = load_atom(cute.nvgpu.make_tiled_tma_atom_B, sm100_utils.cluster_shape_to_tma_atom_B(cs, thr_id),
+                              mB_nkl, tiling.b_smem_layout, tiling.mma_tiler, tiled_mma, cl_vmnk)
         tma_sfa, tma_sfb = (None, None), (None, None)
         if cutlass.const_expr(tiling.block_scaled):
             # the 128x4-atom scale tensors, (((32, 4), RestM), ((vec, 4), RestK), E)
@@ -135,7 +144,7 @@ class MaskedGroupedGemmSm100:
         if cutlass.const_expr(used > SMEM_BYTES):  # limits undercounted
             raise ValueError(f"config.stages: {used} bytes of shared memory; sm_100 allows {SMEM_BYTES}")
         self.kernel(
-            tma_a, tma_b, tma_sfa, tma_sfb, tma_c, mD_mnl, mMaskedM, mAlpha, mSignals,
+            tma_a, tma_b, tma_sfa, tma_sfb, tma_c, mD_mnl, mMaskedM, mAlpha, mSignals, desc_b,
         ).launch(
             grid=[num_ctas, 1, 1], block=[THREADS, 1, 1], cluster=[self.cluster_size, 1, 1],
             min_blocks_per_mp=1, stream=stream, use_pdl=True,
@@ -155,12 +164,16 @@ class MaskedGroupedGemmSm100:
             "tmem_holding_buf": cutlass.Int32,
             "sC": cute.struct.Align[cute.struct.MemRange[t.out_dtype, cute.cosize(t.c_smem_layout.outer)], align],
             "sA": cute.struct.Align[cute.struct.MemRange[t.ab_dtype, cute.cosize(t.a_smem_layout.outer)], align],
-            "sB": cute.struct.Align[cute.struct.MemRange[t.ab_dtype, cute.cosize(t.b_smem_layout.outer)], align],
+            "sB": cute.struct.Align[cute.struct.MemRange[t.b_smem_dtype, cute.cosize(t.b_smem_layout.outer)], align],
             "sSFA": cute.struct.Align[cute.struct.MemRange[sf_dtype, sfa_len], align],
             "sSFB": cute.struct.Align[cute.struct.MemRange[sf_dtype, sfb_len], align],
         }
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.kernel
-    def kernel(self, tma_a, tma_b, tma_sfa, tma_sfb, tma_c, mD_mnl, mMaskedM, mAlpha, mSignals):
-        run_roles(self, tma_a, tma_b, tma_sfa, tma_sfb, tma_c, mD_mnl, mMaskedM, mAlpha, mSignals)
+    def kernel(self, tma_a, tma_b, tma_sfa, tma_sfb, tma_c, mD_mnl, mMaskedM, mAlpha, mSignals,
+               desc_b: GridConstant[TensorMap]):
+        # desc_b: B's own tensor map (a kernel parameter, as TMA requires) when
+        # e2m1 B is unpacked by the TMA (``padded_b``); None otherwise
+        run_roles(self, tma_a, tma_b if desc_b is None else desc_b, tma_sfa, tma_sfb, tma_c, mD_mnl, mMaskedM,
+                  mAlpha, mSignals)

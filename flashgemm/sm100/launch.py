@@ -91,7 +91,9 @@ def kernel_views(fmt: Format) -> tuple:
     views = []
     if fmt is Format.NVFP4:
         views += [("a", getattr(torch, ab)), ("b", getattr(torch, ab))]
-    if fmt is Format.MXFP8:
+    if fmt is Format.MXFP8_MXFP4:
+        views += [("b", torch.float4_e2m1fn_x2)]
+    if fmt in (Format.MXFP8, Format.MXFP8_MXFP4):
         views += [("a_scale", getattr(torch, sf)), ("b_scale", getattr(torch, sf))]
     return tuple(views)
 

@@ -15,7 +15,17 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
+from .padded_b import load_padded_b
 from .walk import make_walker
+
+
+class PaddedLoads(NamedTuple):
+    """B by its own tensor map (``padded_b``): the descriptor, the staged
+    smem view (bN, bK, STAGE) and the tile's rows."""
+
+    desc: object
+    smem: cute.Tensor
+    tile_n: int
 
 
 class OperandLoads(NamedTuple):
@@ -47,7 +57,7 @@ def run_tma_warp(
     stages: cutlass.Constexpr,
     k_tile_cnt: Int32,
     a: OperandLoads,
-    b: OperandLoads,
+    b,  # OperandLoads, or PaddedLoads for e2m1 B beside e4m3 A
     sfa: OperandLoads,  # None without scales
     sfb: OperandLoads,
     sfb_n_shift: cutlass.Constexpr,  # 1 when tile_n = 64: two n-blocks share a 128-wide SFB tile
@@ -58,14 +68,19 @@ def run_tma_warp(
     while work.is_valid:
         e, mb, nb = work.expert, work.m_block, work.n_block
         gA = a.gmem[(None, mb, None, e)]
-        gB = b.gmem[(None, nb, None, e)]
+        gB = None
+        if cutlass.const_expr(not isinstance(b, PaddedLoads)):
+            gB = b.gmem[(None, nb, None, e)]
         for k_tile in cutlass.range(0, k_tile_cnt, 1, unroll=1):
             ab_pipeline.producer_acquire(state)
             bar = ab_pipeline.producer_get_barrier(state)
             cute.copy(a.atom, gA[(None, k_tile)], a.smem[(None, state.index)], tma_bar_ptr=bar,
                       mcast_mask=a.mcast_mask)
-            cute.copy(b.atom, gB[(None, k_tile)], b.smem[(None, state.index)], tma_bar_ptr=bar,
-                      mcast_mask=b.mcast_mask)
+            if cutlass.const_expr(isinstance(b, PaddedLoads)):
+                load_padded_b(b.desc, b.smem[(None, state.index)], k_tile, nb, e, b.tile_n, bar)
+            else:
+                cute.copy(b.atom, gB[(None, k_tile)], b.smem[(None, state.index)], tma_bar_ptr=bar,
+                          mcast_mask=b.mcast_mask)
             if cutlass.const_expr(sfa is not None):
                 cute.copy(sfa.atom, sfa.gmem[(None, mb, k_tile, e)], sfa.smem[(None, state.index)],
                           tma_bar_ptr=bar, mcast_mask=sfa.mcast_mask)

@@ -15,7 +15,8 @@ from . import barriers
 from .epilogue import partition as partition_epilogue, run_epilogue
 from .limits import TMEM_COLS
 from .mma_warp import make_scale_copy, run_mma_warp
-from .producer import partition_loads, run_tma_warp
+from .padded_b import prefetch_padded_b
+from .producer import PaddedLoads, partition_loads, run_tma_warp
 from .tiling import Tiling
 
 EPILOGUE_WARPS = (0, 1, 2, 3)
@@ -26,10 +27,10 @@ TMA_WARP = 5
 @cute.jit
 def run_roles(gemm, tma_a, tma_b, tma_sfa, tma_sfb, tma_c, mD_mnl, mMaskedM, mAlpha, mSignals):
     # rebuilt inside the kernel: layouts made by the host side cannot enter it
-    t = Tiling(gemm.config, gemm.ab_dtype, gemm.sf_dtype, gemm.out_dtype).setup()
+    t = Tiling(gemm.config, gemm.ab_dtype, gemm.sf_dtype, gemm.out_dtype, gemm.b_dtype).setup()
     tiled_mma = t.tiled_mma
     atom_a, mA_tma = tma_a
-    atom_b, mB_tma = tma_b
+    atom_b, mB_tma = (None, None) if t.b_padded else tma_b
     atom_sfa, mSFA_tma = tma_sfa
     atom_sfb, mSFB_tma = tma_sfb
     atom_c, mD_tma = tma_c
@@ -45,7 +46,10 @@ def run_roles(gemm, tma_a, tma_b, tma_sfa, tma_sfb, tma_c, mD_mnl, mMaskedM, mAl
 
     if warp_idx == TMA_WARP:
         cpasync.prefetch_descriptor(atom_a)
-        cpasync.prefetch_descriptor(atom_b)
+        if cutlass.const_expr(t.b_padded):
+            prefetch_padded_b(tma_b)
+        else:
+            cpasync.prefetch_descriptor(atom_b)
         cpasync.prefetch_descriptor(atom_c)
         if cutlass.const_expr(t.block_scaled):
             cpasync.prefetch_descriptor(atom_sfa)
@@ -88,7 +92,9 @@ def run_roles(gemm, tma_a, tma_b, tma_sfa, tma_sfb, tma_c, mD_mnl, mMaskedM, mAl
 
     # (bM, bK, RestM, RestK, E) and the like; MMA partitions of this CTA's share
     gA = cute.local_tile(mA_tma, cute.slice_(t.mma_tiler, (None, 0, None)), (None, None, None))
-    gB = cute.local_tile(mB_tma, cute.slice_(t.mma_tiler, (0, None, None)), (None, None, None))
+    gB = None
+    if cutlass.const_expr(not t.b_padded):
+        gB = cute.local_tile(mB_tma, cute.slice_(t.mma_tiler, (0, None, None)), (None, None, None))
     thr_mma = tiled_mma.get_slice(cta_v)
     k_tile_cnt = cute.size(gA, mode=[3])
     mcast = pair > 1
@@ -99,7 +105,10 @@ def run_roles(gemm, tma_a, tma_b, tma_sfa, tma_sfb, tma_c, mD_mnl, mMaskedM, mAl
     a_cta_layout = cute.make_layout(cute.slice_(t.cluster_layout_vmnk, (0, 0, None, 0)).shape)
     b_cta_layout = cute.make_layout(cute.slice_(t.cluster_layout_vmnk, (0, None, 0, 0)).shape)
     a_loads = partition_loads(atom_a, coord_vmnk[2], a_cta_layout, sA, thr_mma.partition_A(gA), a_mask)
-    b_loads = partition_loads(atom_b, coord_vmnk[1], b_cta_layout, sB, thr_mma.partition_B(gB), b_mask)
+    if cutlass.const_expr(t.b_padded):  # (1-CTA builds only: limits)
+        b_loads = PaddedLoads(tma_b, cute.group_modes(sB, 0, 3), t.config.tile_n)
+    else:
+        b_loads = partition_loads(atom_b, coord_vmnk[1], b_cta_layout, sB, thr_mma.partition_B(gB), b_mask)
     sfa_loads, sfb_loads, sSFA, sSFB = None, None, None, None
     if cutlass.const_expr(t.block_scaled):
         sSFA = storage.sSFA.get_tensor(t.sfa_smem_layout)

@@ -12,6 +12,7 @@ import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
 from cutlass.utils import LayoutEnum
 
+from ..formats import Format
 from .config import CtaGroup, Sm100Config
 from .limits import EPI_BUFFERS, EPI_N, MMA_INSTS_PER_K_TILE, acc_stages, resolved_stages, sf_tmem_cols
 
@@ -19,9 +20,14 @@ from .limits import EPI_BUFFERS, EPI_N, MMA_INSTS_PER_K_TILE, acc_stages, resolv
 class Tiling:
     """Everything static the kernel derives from its config and dtypes."""
 
-    def __init__(self, config: Sm100Config, ab_dtype, sf_dtype, out_dtype):
+    def __init__(self, config: Sm100Config, ab_dtype, sf_dtype, out_dtype, b_dtype=None):
         self.config = config
         self.ab_dtype = ab_dtype
+        self.b_dtype = b_dtype or ab_dtype  # the MMA's B type (e2m1 beside e4m3 A for MXFP4 weights)
+        # e2m1 B read by kind::mxf8f6f4 sits in shared memory padded, 16 codes in
+        # 16 bytes (the TMA's .b4x16_p64 unpack): the smem layout of an 8-bit B
+        self.b_padded = config.fmt is Format.MXFP8_MXFP4
+        self.b_smem_dtype = ab_dtype if self.b_padded else self.b_dtype
         self.sf_dtype = sf_dtype
         self.out_dtype = out_dtype
         self.acc_dtype = cutlass.Float32
@@ -38,7 +44,7 @@ class Tiling:
     def make_tiled_mma(self, cta_group, mma_mn):
         if cutlass.const_expr(self.block_scaled):
             return sm100_utils.make_blockscaled_trivial_tiled_mma(
-                self.ab_dtype, self.ab_dtype, OperandMajorMode.K, OperandMajorMode.K,
+                self.ab_dtype, self.b_dtype, OperandMajorMode.K, OperandMajorMode.K,
                 self.sf_dtype, self.sf_vec, cta_group, mma_mn,
             )
         return sm100_utils.make_trivial_tiled_mma(
@@ -57,7 +63,8 @@ class Tiling:
             cute.make_layout((*self.cluster_shape_mn, 1)), (self.tiled_mma.thr_id.shape,)
         )
         self.a_smem_layout = sm100_utils.make_smem_layout_a(self.tiled_mma, self.mma_tiler, self.ab_dtype, self.stages)
-        self.b_smem_layout = sm100_utils.make_smem_layout_b(self.tiled_mma, self.mma_tiler, self.ab_dtype, self.stages)
+        self.b_smem_layout = sm100_utils.make_smem_layout_b(self.tiled_mma, self.mma_tiler, self.b_smem_dtype,
+                                                            self.stages)
         # epilogue sub-tile: all 128 rows of the CTA (one per thread), EPI_N columns
         self.epi_tile = (cfg.cta_tile_m, EPI_N)
         self.c_smem_layout = sm100_utils.make_smem_layout_epi(
@@ -91,7 +98,9 @@ class Tiling:
     def stage_tx_bytes(self) -> int:
         """Bytes the TMA brings into one stage of the whole cluster pair."""
         one = cute.size_in_bytes(self.ab_dtype, cute.slice_(self.a_smem_layout, (None, None, None, 0)))
-        one += cute.size_in_bytes(self.ab_dtype, cute.slice_(self.b_smem_layout, (None, None, None, 0)))
+        b_bytes = cute.size_in_bytes(self.b_smem_dtype, cute.slice_(self.b_smem_layout, (None, None, None, 0)))
+        # the transaction counts global bytes: a padded e2m1 tile is half its smem
+        one += b_bytes // 2 if self.b_padded else b_bytes
         if cutlass.const_expr(self.block_scaled):
             one += cute.size_in_bytes(self.sf_dtype, cute.slice_(self.sfa_smem_layout, (None, None, None, 0)))
             one += cute.size_in_bytes(self.sf_dtype, cute.slice_(self.sfb_smem_layout, (None, None, None, 0)))
