@@ -18,7 +18,7 @@ from .blockscaled_args import (
 from .config import GemmConfig
 from .jit.arch import default_arch, device_facts
 from .plan import PlanCache, signature
-from .routing import COMBINE_FIELDS, ROUTING_SLOTS, Combine, check_combine
+from .routing import COMBINE_FIELDS, ROUTING_SLOTS, Combine, check_combine, combine_epilogue
 from .signals import SignalLayout, check_granularity, check_signal_buffer
 from .validation import (
     byte_span,
@@ -165,7 +165,7 @@ def grouped_gemm_nt_masked(
     is "m_block" or "expert". With signals the call returns ``(out, layout)``,
     the :class:`SignalLayout` used (the same ``signal_layout(...)`` gives
     before the launch); without, it returns ``out``.
-    combine: a :class:`Combine` (token_index, weight, output, err, peers): instead of
+    combine: a :class:`Combine` (token_index, weight, output, err, peers, bias): instead of
     storing ``out`` (pass None), the epilogue reduce-adds
     ``weight[e, r] * bf16(row r of expert e)`` into ``output[token_index[e, r]]``
     (fp32 or bf16 [T, N]) for every valid row; returns ``(output, err)``, where
@@ -176,7 +176,10 @@ def grouped_gemm_nt_masked(
     the rounding error ``docs/design.md`` measures. With ``peers`` (expert
     parallelism) each weighted row is instead stored as bf16 into its owner
     rank's receive buffer (see :class:`Combine`), no sums; ``err`` bit 2 then
-    flags a destination outside [0, W * R).
+    flags a destination outside [0, W * R). With ``bias`` (float32 [E, N])
+    each row leaves as ``weight[e, r] * (bf16(row) + bias[e])``, the sum in
+    fp32, for every target. The combine runs on sm_90 only: on sm_100 /
+    sm_103 it raises ValueError before any launch, with or without a bias.
     """
     if torch.compiler.is_compiling():
         return _as_custom_op(a, b, out, masked_m, a_scale, b_scale, expected_m, num_sms, config,
@@ -353,8 +356,9 @@ def _make_plan(call: CallArgs):
     # validate_device refused GPUs without a backend (no GPU: the compile target's, for CPU-driven checks)
     be = backends.for_capability(capability) or backends.for_arch(default_arch())
     backends.check_format(be, fmt)
-    if combine is not None and not any(e.combines for e in be.epilogues):
-        raise ValueError(f"combine is available on sm_90 only; this GPU's kernels are {be.name}'s")
+    if combine is not None and combine_epilogue(combine) not in be.epilogues:
+        with_bias = ", combine.bias with it" if combine.bias is not None else ""
+        raise ValueError(f"combine is available on sm_90 only{with_bias}; this GPU's kernels are {be.name}'s")
     return be.make_plan(backends.GemmCall(
         fmt=fmt, sizes=sizes, tensors={**tensors, "signals": dst_signals}, routing=routing, combine=combine,
         expected_m=call.expected_m, config=call.config, granularity=call.signal_granularity,

@@ -43,7 +43,7 @@ class GemmCall:
     fmt: Format
     sizes: tuple  # (E, max_m, N, K), K in elements
     tensors: dict  # the named tensors: a, b, out, masked_m, a_scale, b_scale, signals, alpha
-    routing: tuple  # the fused combine's five fields (token_index, weight, combined, err, peers), or ()
+    routing: tuple  # the fused combine's six fields (token_index, weight, combined, err, peers, bias), or ()
     combine: Optional[object]  # the routing.Combine, or None
     expected_m: Optional[int]
     config: Optional[object]

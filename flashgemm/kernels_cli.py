@@ -31,6 +31,9 @@ PTX_FEATURES = {
     # 16-byte plain stores after 64-bit loads (the peers' receive-buffer
     # addresses); a STORE kernel's partial-tile stores load no address
     "combine-peer-store": re.compile(r"ld\.global\.b64\s.*?st\.global\.v4\.b32\s", re.S),
+    # 16-byte global loads: in a GEMM only the bias pieces of the fused
+    # combine's *_BIAS builds (the activation and EP kernels load rows so)
+    "v4-load": re.compile(r"ld\.global\S*\.v4\."),
     "fp8-cvt": "cvt.rn.satfinite.e4m3x2.f32",
     # MXFP4 weights on Hopper: the e2m1 -> e4m3 table lookups (device.e2m1)
     "e2m1-lookup": "prmt.b32",

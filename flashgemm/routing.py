@@ -9,11 +9,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from .config import Epilogue
-from .validation import byte_span, check_tensor, overlaps
+from .validation import byte_span, check_dense, check_tensor, overlaps
 
 # the launch slots the Combine fields fill, in order (the combined output is ``output``)
-ROUTING_SLOTS = ("token_index", "weight", "combined", "err", "peers")
-COMBINE_FIELDS = ("combine.token_index", "combine.weight", "combine.output", "combine.err", "combine.peers")
+ROUTING_SLOTS = ("token_index", "weight", "combined", "err", "peers", "bias")
+COMBINE_FIELDS = ("combine.token_index", "combine.weight", "combine.output", "combine.err", "combine.peers",
+                  "combine.bias")
 # the dtypes the sums may have: fp32, or bf16 (half the reduction bytes; docs/design.md)
 SUM_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -32,7 +33,14 @@ class Combine(NamedTuple):
     store to (its own buffer, or a peer's over NVLink). The stores are plain
     (weak): the owner reads its buffer after the kernel completed and a
     cross-rank synchronization, then sums the rows it received itself, in a
-    fixed order; rows sharing a destination overwrite each other."""
+    fixed order; rows sharing a destination overwrite each other.
+
+    With ``bias`` (a contiguous float32 [E, N] tensor on the same GPU, 16-byte
+    aligned) each valid row leaves as ``weight[e, r] * (row + bias[e])``: the
+    bias is added in fp32 to the row rounded to bf16, before the weight, for
+    every target above (with ``peers`` it travels inside the stored row). The
+    combine, and so its bias, runs on sm_90 only; on sm_100 / sm_103 the call
+    raises ValueError before any launch."""
 
     token_index: torch.Tensor  # [E, max_m] int32 (only rows < m_e are read as routing)
     weight: torch.Tensor  # [E, max_m] float32
@@ -41,18 +49,19 @@ class Combine(NamedTuple):
     output: torch.Tensor
     err: Optional[torch.Tensor] = None  # [1] int32 error word, zeroed by the caller
     peers: Optional[torch.Tensor] = None  # [W] int64 on the GPU: each rank's receive-buffer address
+    bias: Optional[torch.Tensor] = None  # [E, N] float32, contiguous: added to each row before its weight
 
 
 def check_combine(combine, out, dst_signals, e_count: int, max_m: int, n: int, inputs: dict) -> tuple:
-    """Check a ``Combine`` against the call; returns its five fields
-    (``peers`` None without expert parallelism)."""
+    """Check a ``Combine`` against the call; returns its six fields
+    (``peers`` None without expert parallelism, ``bias`` None without a bias)."""
     if not isinstance(combine, Combine):
         raise TypeError(f"combine must be a flashgemm.Combine, got {type(combine).__name__}")
     if out is not None:
         raise ValueError("out must be None with combine (the rows go to combine.output only)")
     if dst_signals is not None:
         raise ValueError("dst_signals and combine exclude each other (the combine is fused)")
-    token_index, weight, output, err, peers = combine
+    token_index, weight, output, err, peers, bias = combine
     for name, t, dtype in (("combine.token_index", token_index, torch.int32),
                            ("combine.weight", weight, torch.float32)):
         check_tensor(name, t, 2, (dtype,))
@@ -77,13 +86,41 @@ def check_combine(combine, out, dst_signals, e_count: int, max_m: int, n: int, i
             raise ValueError(f"combine.output must not overlap {name}")
     if peers is not None:
         _check_peers(peers, output, span_out)
+    if bias is not None:
+        _check_bias(bias, output, e_count, n)
+        if overlaps(span_out, byte_span(bias)):
+            raise ValueError("combine.bias must not overlap combine.output")
     # a bad token ORs its bit into err: no other tensor of the call may share a byte with it
     span_err = byte_span(err)
     for name, t in {**inputs, "combine.token_index": token_index, "combine.weight": weight,
-                    "combine.peers": peers}.items():
+                    "combine.peers": peers, "combine.bias": bias}.items():
         if t is not None and overlaps(span_err, byte_span(t)):
             raise ValueError(f"combine.err must not overlap {name}")
-    return token_index, weight, output, err, peers
+    return token_index, weight, output, err, peers, bias
+
+
+def _check_bias(bias, output, e_count: int, n: int) -> None:
+    """The per-expert bias: float32 [E, N], contiguous and 16-byte aligned
+    (read as 16-byte pieces of 4 values; N % 8 == 0 already holds for every
+    combine), on ``output``'s device (its CUDA device is checked with the
+    other tensors', ``validation.validate_device``). Any other tensor is a
+    ValueError naming ``combine.bias``."""
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"combine.bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    check_dense("combine.bias", bias)
+    if bias.dtype != torch.float32:
+        raise ValueError(f"combine.bias must have dtype torch.float32 (added in fp32 to each row), "
+                         f"got {bias.dtype}")
+    if tuple(bias.shape) != (e_count, n) or not bias.is_contiguous():
+        raise ValueError(f"combine.bias must be a contiguous [E, N] = {[e_count, n]} tensor, got shape "
+                         f"{tuple(bias.shape)} strides {tuple(bias.stride())}")
+    if bias.numel() >= 2**31:  # (its offsets are int32)
+        raise ValueError(f"combine.bias must hold fewer than 2**31 elements, got {bias.numel()}")
+    if bias.device != output.device:
+        raise ValueError(f"combine.bias is on {bias.device} but combine.output is on {output.device}; "
+                         "both must be on the GPU of the call")
+    if bias.data_ptr() % 16:
+        raise ValueError("combine.bias must start at a 16-byte aligned address (read in 16-byte pieces)")
 
 
 def _check_peers(peers, output, span_out) -> None:
@@ -105,7 +142,10 @@ def _check_peers(peers, output, span_out) -> None:
 
 def combine_epilogue(combine: Combine) -> Epilogue:
     """The epilogue that stores into the peers' receive buffers, or sums
-    into ``combine.output``'s dtype."""
+    into ``combine.output``'s dtype; its ``*_BIAS`` build with a bias."""
+    biased = combine.bias is not None
     if combine.peers is not None:
-        return Epilogue.COMBINE_PEERS
-    return Epilogue.COMBINE_BF16 if combine.output.dtype == torch.bfloat16 else Epilogue.COMBINE
+        return Epilogue.COMBINE_PEERS_BIAS if biased else Epilogue.COMBINE_PEERS
+    if combine.output.dtype == torch.bfloat16:
+        return Epilogue.COMBINE_BF16_BIAS if biased else Epilogue.COMBINE_BF16
+    return Epilogue.COMBINE_BIAS if biased else Epilogue.COMBINE

@@ -355,7 +355,7 @@ print(json.dumps({"compiles": cache.compile_count, "loads": diskcache.load_count
     assert len(split) == 12
     assert not any(s.signal_mode for s in specs if (s.config, s.fmt) in split)
     assert got == {"compiles": 0, "loads": total}
-    assert len(specs) == 306 and block_ms == [64, 128, 192]
+    assert len(specs) == 444 and block_ms == [64, 128, 192]
 
 
 def test_source_digest_follows_the_code(tmp_path):

@@ -110,9 +110,10 @@ def test_plan_passes_peers_last_and_is_reused(stub_launch):
     # one plan per signature (the peers-less key too), the same configuration for both targets
     assert len(api._PLANS) == 2 and [s.epilogue for s in specs] == [Epilogue.COMBINE_PEERS, Epilogue.COMBINE_BF16]
     assert specs[0].config == specs[1].config
-    # the routing slots, the peers table last (None without it), the fused SwiGLU's scales (None), num_ctas
-    assert [len(args) for args in fn.launches] == [15] * 4
-    assert all(x is y for x, y in zip(fn.launches[0][8:13], c))
+    # the routing slots, the peers table (None without it), the bias (None), the fused SwiGLU's scales
+    # (None), num_ctas
+    assert [len(args) for args in fn.launches] == [16] * 4
+    assert all(x is y for x, y in zip(fn.launches[0][8:14], c)) and fn.launches[0][13] is None
     assert fn.launches[2][12] is None and fn.launches[2][10] is plain.output
     # the device check sees the table under its argument name
     assert seen[0]["combine.peers"] is c.peers and seen[1]["combine.peers"] is None

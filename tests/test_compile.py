@@ -305,9 +305,12 @@ def test_cli_compile_lists_every_kernel(cli_compile_listing):
         assert ("signal-publish" in feats) == (spec.signal_mode is not None), spec.name()
         # the fused combine reduces its rows into the token rows and stores none
         fused = spec.epilogue is not Epilogue.STORE  # a combine, or the SwiGLU: rows leave from registers
-        assert ("combine-reduce" in feats) == (spec.epilogue is Epilogue.COMBINE), spec.name()
-        assert ("combine-reduce-bf16" in feats) == (spec.epilogue is Epilogue.COMBINE_BF16), spec.name()
-        assert ("combine-peer-store" in feats) == (spec.epilogue is Epilogue.COMBINE_PEERS), spec.name()
+        target = Epilogue(spec.epilogue.value.removesuffix("_bias"))  # (a *_BIAS combine: its plain twin)
+        assert ("combine-reduce" in feats) == (target is Epilogue.COMBINE), spec.name()
+        assert ("combine-reduce-bf16" in feats) == (target is Epilogue.COMBINE_BF16), spec.name()
+        assert ("combine-peer-store" in feats) == (target is Epilogue.COMBINE_PEERS), spec.name()
+        # 16-byte loads: the bias pieces of the *_BIAS combines, in no other GEMM
+        assert ("v4-load" in feats) == ("bias" in spec.epilogue.op.params), spec.name()
         assert ("tma-store" in feats) != fused, spec.name()
         if spec.epilogue.activates:  # the fused SwiGLU: fp8 h only from the fp8 build
             assert ("fp8-cvt" in feats) == (spec.epilogue is Epilogue.SWIGLU_FP8), spec.name()
@@ -410,6 +413,29 @@ def test_combine_peers_stores_each_row_piece_once_without_reductions(kernel_ptx,
     assert ".local" not in ptx
 
 
+# one *_BIAS combine per target and operand format, beside its plain twin (the
+# listing checks every reachable one)
+BIAS_SPECS = tuple(next(s for s in reachable_specs(ops) if s.epilogue is epi)
+                   for ops in (BF16, FP8, Format.FP8_MXFP4, Format.BF16_MXFP4)
+                   for epi in (Epilogue.COMBINE_BIAS, Epilogue.COMBINE_BF16_BIAS, Epilogue.COMBINE_PEERS_BIAS))
+
+
+@pytest.mark.parametrize("spec", BIAS_SPECS, ids=lambda s: s.name())
+def test_combine_bias_loads_each_pieces_bias_and_adds_it_before_the_weight(kernel_ptx, spec):
+    ptx = kernel_ptx(spec)
+    twin = kernel_ptx(KernelSpec(spec.config, spec.fmt, None, Epilogue(spec.epilogue.value.removesuffix("_bias"))))
+    feats, twin_feats = set(ptx_features(ptx)), set(ptx_features(twin))
+    assert sm90_ok(spec, feats) and feats - twin_feats == {"v4-load"} and twin_feats <= feats
+    # per row piece (2 a thread per sub-tile, the compile-time unrolled count) its 8 fp32 bias values in two
+    # 16-byte loads, 8 adds, and no multiply beyond the twin's: (row + bias) * weight
+    pieces = 2 * spec.config.tile_n // 32
+    assert len(re.findall(r"ld\.global\S*\.v4\.", ptx)) == 2 * pieces
+    adds, muls = r"\badd(?:\.rn)?\.f32\b", r"\bmul(?:\.rn)?\.f32\b"
+    assert len(re.findall(adds, ptx)) - len(re.findall(adds, twin)) == 8 * pieces
+    assert len(re.findall(muls, ptx)) == len(re.findall(muls, twin))
+    assert ".local" not in ptx
+
+
 def test_ptx_features_names_the_signal_publish_sequence_in_order():
     gemm = "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 ...; cp.async.bulk.tensor.3d.shared::cta.global.tile"
     publish = (
@@ -432,6 +458,11 @@ def test_ptx_features_names_the_signal_publish_sequence_in_order():
     assert ptx_features(store) == [] and ptx_features(store + "\nld.global.b64 %rd5, [%rd2];") == []
     assert ptx_features("ld.global.b64 %rd5, [%rd2];\n\tadd.s64 %rd9, %rd5, %rd8;\n\t" + store) == [
         "combine-peer-store"]
+    # 16-byte global loads (a *_BIAS combine's bias pieces), cached or not; narrower ones are not
+    for wide in ("ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd7+16];",
+                 "ld.global.nc.v4.f32 {%f1, %f2, %f3, %f4}, [%rd7];"):
+        assert ptx_features(wide) == ["v4-load"]
+    assert ptx_features("ld.global.b32 %r1, [%rd7];\n\tld.global.v2.b32 {%r1, %r2}, [%rd7];") == []
 
 
 class _FakeBuild:

@@ -15,6 +15,7 @@ from flashgemm.config import (
     Tail,
     TileOrder,
 )
+from flashgemm.epilogue import family
 from flashgemm.formats import Format
 from flashgemm.sm90.heuristic import (
     DECODE_128_CONFIG,
@@ -44,9 +45,8 @@ def _specs(ops, cfg, use):
     """The specs a call with this config launches: no signal mode without
     signals, either granularity with them, the fused-combine epilogue with
     ``combine``."""
-    if use == "combine":  # the target (fp32 or bf16 sums, or the peers' buffers) picks one of three builds
-        return {KernelSpec(cfg, ops, None, epi) for epi in (Epilogue.COMBINE, Epilogue.COMBINE_BF16,
-                                                            Epilogue.COMBINE_PEERS)}
+    if use == "combine":  # the target (fp32 or bf16 sums, or the peers' buffers) and the bias pick the build
+        return {KernelSpec(cfg, ops, None, epi) for epi in family("combine")}
     modes = ("m_block", "expert") if use == "signals" else (None,)
     return {KernelSpec(cfg, ops, mode) for mode in modes}
 
@@ -173,14 +173,15 @@ def test_short_name_distinguishes_configs():
     # one name per kernel
     specs = reachable_specs()
     # bf16 and fp8: 78 stores; 26 fused combines into fp32, 26 into bf16 and 26
-    # into the peers' receive buffers; 16 gate_up kernels with the SwiGLU fused.
+    # into the peers' receive buffers, each with and without a bias; 16 gate_up
+    # kernels with the SwiGLU fused.
     # MXFP4 weights: the fp8 picks adapted (some 64-wide ones become the same 128-wide tile)
     mxfp4 = reachable_specs(Format.FP8_MXFP4)
-    assert len(mxfp4) == 78
+    assert len(mxfp4) == 114
     # with bf16 activations: the bf16 picks adapted likewise
     bf16_mxfp4 = reachable_specs(Format.BF16_MXFP4)
-    assert len(bf16_mxfp4) == 56
-    assert len({s.name() for s in specs}) == len(specs) == 172 + len(mxfp4) + len(bf16_mxfp4)
+    assert len(bf16_mxfp4) == 80
+    assert len({s.name() for s in specs}) == len(specs) == 250 + len(mxfp4) + len(bf16_mxfp4)
     base = GemmConfig().short_name()
     for changes in (
         dict(l2_hints=True), dict(order=TileOrder.N_MAJOR), dict(order=TileOrder.DYNAMIC),
@@ -423,11 +424,10 @@ def test_heuristic_sweep_yields_exactly_the_reachable_specs():
             got.add(KernelSpec(act, ops, None, Epilogue.SWIGLU_FP8 if fp8 else Epilogue.SWIGLU_BF16))
     assert calls > 100_000
     want = set(reachable_specs(BF16)) | set(reachable_specs(FP8))  # (MXFP4 weights: test_mxfp4_kernel)
-    assert len(want) == 172
+    assert len(want) == 250
     assert sum(s.epilogue.activates for s in want) == 16
-    assert sum(s.epilogue is Epilogue.COMBINE for s in want) == 26
-    assert sum(s.epilogue is Epilogue.COMBINE_BF16 for s in want) == 26
-    assert sum(s.epilogue is Epilogue.COMBINE_PEERS for s in want) == 26
+    for epi in family("combine"):  # one build per target, with and without a bias, of each combine config
+        assert sum(s.epilogue is epi for s in want) == 26, epi
     missing = sorted(s.name() for s in want - got)
     extra = sorted(s.name() for s in got - want)
     assert not missing and not extra, (missing, extra)

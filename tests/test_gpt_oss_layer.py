@@ -1,6 +1,6 @@
 """gpt-oss's expert layer on the CPU: its activation kernel's build (PTX
-checked), the argument checks before any launch, the activation's torch
-reference and the routed down biases."""
+checked), the argument checks before any launch and the activation's torch
+reference (the down biases ride in the fused combine: test_combine_bias.py)."""
 
 import re
 
@@ -10,7 +10,7 @@ import torch
 from flashgemm import Combine
 from flashgemm.moe.activation import ActivationKind, build, gpt_oss_swiglu, gpt_oss_swiglu_ref
 from flashgemm.moe.gpt_oss import clamped_swiglu
-from flashgemm.moe.gpt_oss_experts import GptOssExperts, add_routed_bias
+from flashgemm.moe.gpt_oss_experts import GptOssExperts
 from flashgemm.quant import dequantize_fp8_per_token
 
 
@@ -101,7 +101,9 @@ def test_gpt_oss_experts_checks_its_arguments():
     combine = Combine(torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 4), torch.zeros(3, 64))
     with pytest.raises(TypeError, match="combine must be a flashgemm.Combine"):
         layer(x, mm, tuple(combine))
-    with pytest.raises(ValueError, match="combine.peers is not supported"):
+    with pytest.raises(ValueError, match="combine.bias must be None"):
+        layer(x, mm, combine._replace(bias=torch.zeros(2, 64)))
+    with pytest.raises(TypeError, match=r"combine.output must have dtype torch.bfloat16 with combine.peers"):
         layer(x, mm, combine._replace(peers=torch.zeros(1, dtype=torch.int64)))
     with pytest.raises(ValueError, match=r"x must be \[E=2, max_m, H=64\]"):
         layer(x[..., :32], mm, combine)
@@ -110,25 +112,3 @@ def test_gpt_oss_experts_checks_its_arguments():
         layer(x, mm, combine._replace(weight=torch.zeros(2, 3)))
     with pytest.raises(ValueError, match=r"combine.output must be a contiguous \[T, N=64\]"):
         layer(x, mm, combine._replace(output=torch.zeros(3, 32)))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_routed_bias_adds_each_valid_rows_weighted_bias(dtype):
-    g = torch.Generator().manual_seed(1)
-    e_count, max_m, tokens, hidden = 3, 6, 5, 8
-    token_index = torch.randint(0, tokens, (e_count, max_m), generator=g, dtype=torch.int32)
-    token_index[2, 4:] = 10**6  # past m_e: never read as routing
-    weight = torch.rand(e_count, max_m, generator=g)
-    bias = torch.randn(e_count, hidden, generator=g)
-    mm = torch.tensor([6, -1, 4], dtype=torch.int32)
-    start = torch.randn(tokens, hidden, generator=g).to(dtype)
-    combine = Combine(token_index, weight, start.clone())
-    add_routed_bias(combine, mm, bias)
-    want = start.double()
-    for e, m in enumerate(mm.clamp(0, max_m).tolist()):
-        for r in range(m):
-            want[token_index[e, r]] += weight[e, r].double() * bias[e].double()
-    if dtype == torch.float32:  # float32 sums of at most max_m * E terms: a few ulps of the largest partial sum
-        assert torch.allclose(combine.output.double(), want, rtol=0, atol=1e-5)
-    else:  # summed in float32, rounded once to bf16: half a bf16 step (2**-8 relative at most), plus those ulps
-        assert ((combine.output.double() - want).abs() <= 2.0**-8 * want.abs() + 1e-5).all()

@@ -1,9 +1,10 @@
 """gpt-oss's expert layer on an sm_90 GPU: its activation kernel against the
 torch reference (a partial last scale block, padding untouched), and the
-whole layer (16 local experts, H = I = 2880, biases, the clamped SwiGLU),
-MXFP4 weights with fp8 activations and bf16 weights with bf16 activations,
-against the float64 reference of the model's formula, eagerly and in a CUDA
-graph."""
+whole layer (16 local experts, H = I = 2880, biases, the clamped SwiGLU, the
+down biases in the fused combine), MXFP4 weights with fp8 activations and
+bf16 weights with bf16 activations, against the float64 reference of the
+model's formula: into fp32 and bf16 sums and into the peers' receive
+buffers, eagerly and in a CUDA graph."""
 
 import pytest
 import torch
@@ -117,6 +118,68 @@ def test_layer_matches_the_models_formula(seed, mxfp4, fp8, dist):
         # fp8: the 1x128 quantization of x is in the reference, h's is not (about 3e-4); bf16 activations
         # (bf16 or MXFP4 weights, both exact in the reference): two bf16 roundings
         assert diff <= (1e-3 if fp8 else 1e-4), diff
+
+
+@pytest.mark.parametrize("mxfp4, fp8", [(True, True), (False, False)], ids=["mxfp4-fp8", "bf16"])
+def test_layer_into_bf16_sums_matches_the_models_formula(seed, mxfp4, fp8):
+    max_m = 64
+    layer, floats = _layer(mxfp4)
+    masked = _masked(EXPERTS, 32, max_m, "uniform")
+    mm = masked.cuda()
+    x, xs, x_float = _inputs(masked, max_m, fp8)
+    tok, wt = _routing(masked, max_m, TOKENS)
+    routed = torch.zeros(TOKENS, dtype=torch.bool, device="cuda")
+    for e, m in enumerate(masked.clamp(0, max_m).tolist()):
+        routed[tok[e, :m].long()] = True
+    output = torch.zeros(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    output.view(torch.int16)[~routed] = 0x7FC1  # a bf16 NaN in the rows nobody is routed to
+    got, err = layer(x, mm, Combine(tok, wt, output), x_scale=xs, expected_m=32)
+    torch.cuda.synchronize()
+    assert got is output and int(err.item()) == 0
+    ref = gpt_oss_experts_ref(x_float, mm, *floats, token_index=tok.clamp(min=0), weight=wt,
+                              num_tokens=TOKENS)
+    assert (output[~routed].view(torch.int16) == 0x7FC1).all()
+    # the bf16 sums add one bf16 rounding per row and per add (about 2**-9 relative each: ~1e-5) to the fp32 bound
+    assert similarity(output[routed].float(), ref[routed].float()) <= (1e-3 if fp8 else 1e-4)
+
+
+@pytest.mark.parametrize("mxfp4, fp8", [(True, True), (False, False)], ids=["mxfp4-fp8", "bf16"])
+def test_layer_into_peer_buffers_matches_the_models_formula(seed, mxfp4, fp8):
+    """``combine.peers``: each valid row, its down bias included, stored as
+    bf16 into its own destination (one buffer here); summed per token after
+    the call, it is the model's formula; destinations no row was sent to
+    keep their poison."""
+    max_m = 64
+    layer, floats = _layer(mxfp4)
+    masked = _masked(EXPERTS, 32, max_m, "skewed")
+    mm = masked.cuda()
+    x, xs, x_float = _inputs(masked, max_m, fp8)
+    tok, wt = _routing(masked, max_m, TOKENS)
+    rows = masked.clamp(0, max_m).tolist()
+    slots = sum(rows) + 8  # and a few destinations nobody is sent to
+    dest = torch.full((EXPERTS, max_m), -1, dtype=torch.int32, device="cuda")
+    owner = torch.empty(slots, dtype=torch.int64, device="cuda")  # the token of each destination
+    start = 0
+    for e, m in enumerate(rows):
+        dest[e, :m] = torch.arange(start, start + m, dtype=torch.int32, device="cuda")
+        owner[start:start + m] = tok[e, :m].long()
+        start += m
+    recv = torch.empty(slots, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    recv.view(torch.int16).fill_(0x7FC1)  # a bf16 NaN
+    peers = torch.tensor([recv.data_ptr()], dtype=torch.int64, device="cuda")
+    got, err = layer(x, mm, Combine(dest, wt, recv, None, peers), x_scale=xs, expected_m=32)
+    torch.cuda.synchronize()
+    assert got is recv and int(err.item()) == 0
+    assert (recv[start:].view(torch.int16) == 0x7FC1).all()
+    summed = torch.zeros(TOKENS, HIDDEN, dtype=torch.float64, device="cuda")
+    summed.index_add_(0, owner[:start], recv[:start].double())
+    ref = gpt_oss_experts_ref(x_float, mm, *floats, token_index=tok.clamp(min=0), weight=wt,
+                              num_tokens=TOKENS)
+    routed = torch.zeros(TOKENS, dtype=torch.bool, device="cuda")
+    routed[owner[:start]] = True
+    if routed.any():
+        # each row rounded to bf16 once (2**-9 relative) beside the fp32 combine's error
+        assert similarity(summed[routed], ref[routed].double()) <= (1e-3 if fp8 else 1e-4)
 
 
 def test_layer_in_a_cuda_graph(seed):

@@ -28,7 +28,7 @@ def _routing(e_count=3, max_m=8, n=16, tokens=5):
 
 def test_check_combine_names_each_bad_argument():
     c = _routing()
-    assert len(check_combine(c, None, None, 3, 8, 16, {})) == 5  # peers None
+    assert len(check_combine(c, None, None, 3, 8, 16, {})) == 6  # peers and bias None
     cases = [
         (dict(out=torch.zeros(1)), "out must be None"),
         (dict(dst_signals=torch.zeros(1)), "dst_signals and combine"),
@@ -175,9 +175,9 @@ def test_heuristic_fused_combine_picks_pair_staging():
                 H.choose_config(em, 4096, 7168, 2048, 132, fp8, 8)
     combine_specs = [s for s in H.reachable_specs() if s.epilogue.combines]
     assert combine_specs and all(s.signal_mode is None for s in combine_specs)
-    # every fused-combine configuration is built for both dtypes of the sums
+    # every fused-combine configuration is built for both dtypes of the sums and the peers, with and without a bias
     by_epilogue = {epi: {s.config for s in combine_specs if s.epilogue is epi} for epi in H.COMBINES}
-    assert by_epilogue[Epilogue.COMBINE] == by_epilogue[Epilogue.COMBINE_BF16]
+    assert len(by_epilogue) == 6 and all(c == by_epilogue[Epilogue.COMBINE] for c in by_epilogue.values())
 
 
 def test_combine_output_dtype_picks_the_epilogue():
@@ -186,7 +186,7 @@ def test_combine_output_dtype_picks_the_epilogue():
     c = _routing(3, 8, 16, 5)
     assert combine_epilogue(c) is Epilogue.COMBINE
     bf = c._replace(output=torch.zeros(5, 16, dtype=torch.bfloat16))
-    assert len(check_combine(bf, None, None, 3, 8, 16, {})) == 5
+    assert len(check_combine(bf, None, None, 3, 8, 16, {})) == 6
     assert combine_epilogue(bf) is Epilogue.COMBINE_BF16
     with pytest.raises(TypeError, match="combine.output must have dtype"):
         check_combine(c._replace(output=torch.zeros(5, 16, dtype=torch.float16)), None, None, 3, 8, 16, {})

@@ -167,9 +167,12 @@ def test_sm100_refusals(blackwell):
     a = torch.randn(2, 64, 64).bfloat16()
     b = torch.randn(2, 128, 64).bfloat16()
     mm = torch.ones(2, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"combine is available on sm_90 only"):
+    with pytest.raises(ValueError, match=r"combine is available on sm_90 only; this GPU's kernels are sm100's"):
         flashgemm.grouped_gemm_nt_masked(a, b, None, mm, combine=Combine(
             torch.zeros(2, 64, dtype=torch.int32), torch.zeros(2, 64), torch.zeros(8, 128)))
+    with pytest.raises(ValueError, match=r"combine is available on sm_90 only, combine.bias with it"):
+        flashgemm.grouped_gemm_nt_masked(a, b, None, mm, combine=Combine(
+            torch.zeros(2, 64, dtype=torch.int32), torch.zeros(2, 64), torch.zeros(8, 128), bias=torch.zeros(2, 128)))
     with pytest.raises(TypeError, match=r"expected_m must be an int or None"):
         flashgemm.grouped_gemm_nt_masked(a, b, None, mm, expected_m=1.5)
     with pytest.raises(ValueError, match=r"signal_granularity must be one of"):

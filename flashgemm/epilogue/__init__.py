@@ -21,6 +21,10 @@ class Epilogue(enum.Enum):
     # weight * row stored as bf16 into the receive buffer of its token's owner
     # rank (an NVLink peer address), no reduction: the owner sums its k rows
     COMBINE_PEERS = "combine_peers"
+    # the three above with a per-expert fp32 bias added to each row before its weight
+    COMBINE_BIAS = "combine_bias"
+    COMBINE_BF16_BIAS = "combine_bf16_bias"
+    COMBINE_PEERS_BIAS = "combine_peers_bias"
     # gate_up with the SwiGLU activation fused: each tile leaves as
     # h = silu(gate) * up, quantized 1x128 to fp8 or as bf16
     SWIGLU_FP8 = "swiglu_fp8"
@@ -46,6 +50,9 @@ _OPS = {
     Epilogue.COMBINE: combine.COMBINE_F32,
     Epilogue.COMBINE_BF16: combine.COMBINE_BF16,
     Epilogue.COMBINE_PEERS: combine.COMBINE_PEERS,
+    Epilogue.COMBINE_BIAS: combine.COMBINE_F32_BIAS,
+    Epilogue.COMBINE_BF16_BIAS: combine.COMBINE_BF16_BIAS,
+    Epilogue.COMBINE_PEERS_BIAS: combine.COMBINE_PEERS_BIAS,
     Epilogue.SWIGLU_FP8: swiglu.SWIGLU_FP8,
     Epilogue.SWIGLU_BF16: swiglu.SWIGLU_BF16,
 }

@@ -6,6 +6,10 @@ import dataclasses
 
 # how each fused combine's rows leave: the PTX feature of its sends (kernels_cli.PTX_FEATURES)
 COMBINE_SENDS = frozenset({"combine-reduce", "combine-reduce-bf16", "combine-peer-store"})
+# the fused combine's per-expert bias, read in 16-byte loads: the only ones a GEMM issues
+COMBINE_BIAS_LOAD = "v4-load"
+# what the fused combines' kernels alone show
+COMBINE_ONLY = COMBINE_SENDS | {COMBINE_BIAS_LOAD}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,6 @@
 stores for full tiles, row pieces below m_e for an expert's last m-block),
 with the completion signals when asked."""
 
-from .base import COMBINE_SENDS, EpilogueOp
+from .base import COMBINE_ONLY, EpilogueOp
 
-STORE = EpilogueOp(name="store", family="store", signals=True, ptx_forbidden=COMBINE_SENDS)
+STORE = EpilogueOp(name="store", family="store", signals=True, ptx_forbidden=COMBINE_ONLY)

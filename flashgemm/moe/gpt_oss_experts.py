@@ -5,9 +5,11 @@ formula and the float reference):
    in the checkpoint's order (row 2j gate j, row 2j + 1 up j);
 2. ``h = clamped_swiglu(gu + b13)`` (``activation.gpt_oss_swiglu``), for
    MXFP4 weights quantized 1x128 to fp8, the down GEMM's input;
-3. down with the combine fused: ``output[token] += weight * (h @ w2.T)``;
-   then the routing-weighted down biases, ``output[t] += sum weight * b2[e]``
-   over the rows routed from token t (a [T, E] @ [E, H] product).
+3. down with the combine and the down biases fused:
+   ``output[token] += weight * (h @ w2.T + b2[e])`` (``Combine.bias``: b2
+   added in fp32 to each row, rounded to bf16, before its weight), into an
+   fp32 or bf16 output or, with ``combine.peers``, stored into the owner
+   ranks' receive buffers.
 
 MXFP4 weights (``mxfp4.prepare_weights``) take fp8 activations with 1x128
 scales (h then fp8 too) or bf16 activations (``Format.BF16_MXFP4``: h in
@@ -36,7 +38,7 @@ class GptOssExperts:
     MXFP4 as ``mxfp4.prepare_weights`` makes them (int8 with the last
     dimension halved, their E8M0 exponents [E, 2I, H/32] / [E, H, I/32] as
     ``w13_scale`` / ``w2_scale``). b13: [E, 2I], b2: [E, H], any float dtype
-    (kept as float32).
+    (kept as float32 copies).
     """
 
     def __init__(self, w13: torch.Tensor, b13: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, *,
@@ -67,7 +69,8 @@ class GptOssExperts:
             raise ValueError("scales are only for MXFP4 weights")
         self.w13, self.w2, self.w13_scale, self.w2_scale = w13, w2, w13_scale, w2_scale
         self.b13 = b13.float().contiguous()
-        self.b2 = b2.float().contiguous()
+        # a copy of its own: a fresh allocation meets the combine's 16-byte alignment
+        self.b2 = b2.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         self.num_experts, self.hidden, self.intermediate = e_count, hidden, inter
 
     def __call__(self, x: torch.Tensor, masked_m: torch.Tensor, combine: Combine, *,
@@ -75,10 +78,14 @@ class GptOssExperts:
                  num_sms: Optional[int] = None):
         """x: [E, max_m, H], bf16, or for MXFP4 weights also fp8 with
         ``x_scale`` [E, max_m, ceil(H/128)]; masked_m: int32 [E] on the GPU; combine:
-        where each valid row goes (``combine.output`` fp32 or bf16 [T, H]).
-        Returns ``(output, err)`` as ``grouped_gemm_nt_masked`` does."""
-        if isinstance(combine, Combine) and combine.peers is not None:
-            raise ValueError("combine.peers is not supported: the down biases are added into combine.output")
+        where each valid row goes (``combine.output`` fp32 or bf16 [T, H], or
+        with ``combine.peers`` this rank's bf16 receive buffer), without a
+        bias of its own (b2 is the layer's). Returns ``(output, err)`` as
+        ``grouped_gemm_nt_masked`` does."""
+        if isinstance(combine, Combine):
+            if combine.bias is not None:
+                raise ValueError("combine.bias must be None: GptOssExperts adds its own down biases (b2)")
+            combine = combine._replace(bias=self.b2)
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != self.num_experts \
                 or x.shape[-1] != self.hidden:
             raise ValueError(f"x must be [E={self.num_experts}, max_m, H={self.hidden}], got "
@@ -93,24 +100,5 @@ class GptOssExperts:
         fp8 = x.dtype == torch.float8_e4m3fn  # (h in the activations' precision)
         h = gpt_oss_swiglu(gu, self.b13, masked_m, fp8=fp8, num_sms=num_sms)
         h, h_scale = h if fp8 else (h, None)
-        result = grouped_gemm_nt_masked(h, self.w2, None, masked_m, a_scale=h_scale, b_scale=self.w2_scale,
-                                        expected_m=expected_m, num_sms=num_sms, combine=combine)
-        add_routed_bias(combine, masked_m, self.b2)
-        return result
-
-
-def add_routed_bias(combine: Combine, masked_m: torch.Tensor, bias: torch.Tensor) -> None:
-    """``combine.output[t] += sum weight[e, r] * bias[e]`` over the valid rows
-    (e, r) routed from token t: each row's weight scattered into a [T, E]
-    matrix, times bias [E, H]. Device ops only (no sync)."""
-    e_count, max_m = combine.weight.shape
-    device = combine.weight.device
-    valid = torch.arange(max_m, device=device) < masked_m.clamp(0, max_m)[:, None]
-    experts = torch.arange(e_count, device=device, dtype=torch.int64)[:, None]
-    slot = torch.where(valid, combine.token_index * e_count + experts, 0)  # (rows past m_e: slot 0, weight 0)
-    per_token = torch.zeros(combine.output.shape[0] * e_count, dtype=torch.float32, device=device)
-    per_token.scatter_add_(0, slot.reshape(-1), (combine.weight * valid).reshape(-1))
-    if combine.output.dtype == torch.float32:
-        combine.output.addmm_(per_token.view(-1, e_count), bias)  # one GEMM, the sum added in place
-    else:
-        combine.output.add_(per_token.view(-1, e_count) @ bias)  # (summed in fp32, rounded once)
+        return grouped_gemm_nt_masked(h, self.w2, None, masked_m, a_scale=h_scale, b_scale=self.w2_scale,
+                                      expected_m=expected_m, num_sms=num_sms, combine=combine)

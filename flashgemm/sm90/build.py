@@ -64,7 +64,8 @@ def _fake_args(ab_dtype, out_dtype, sum_dtype=None, mxfp4=False):
         b = fake(cutlass.Int8, (e, n, cute.sym_int()), (ld(u8), ld(u8), 1), assumed_align=16)
         sfb = fake(u8, (e, n, cute.sym_int()), (ld(u8), 1, ld(u8)), assumed_align=16)
     # the fused combine: the routing of each row, the token-major output of the
-    # sums (or this rank's receive buffer) and the peers' receive-buffer addresses
+    # sums (or this rank's receive buffer), the peers' receive-buffer addresses
+    # and the per-expert bias
     sum_dtype = sum_dtype or cutlass.Float32
     routing = (
         fake(cutlass.Int32, (e, m), (cute.sym_int64(), 1), assumed_align=4),
@@ -73,6 +74,7 @@ def _fake_args(ab_dtype, out_dtype, sum_dtype=None, mxfp4=False):
                                               assumed_align=16),
         fake(cutlass.Int32, (1,), (1,), assumed_align=4),
         fake(cutlass.Int64, (cute.sym_int(),), (1,), assumed_align=8),
+        cute.runtime.make_fake_compact_tensor(cutlass.Float32, (e, n), stride_order=(1, 0), assumed_align=16),
     )
     return a, b, d, masked_m, signals, sfa, sfb, routing
 
@@ -100,11 +102,12 @@ def _fake_act_out(fp8: bool):
 def build(spec: KernelSpec, arch: Optional[str] = None, keep_ptx: bool = False, trace: bool = False):
     """Compile one kernel (no caching). Returns the TVM-FFI callable
     ``fn(a, b, out, masked_m, signals, a_scale, b_scale, counter, token_idx,
-    weight, combined, err, peers, out_scale, num_ctas)`` (``signals`` is None without a
+    weight, combined, err, peers, bias, out_scale, num_ctas)`` (``signals`` is None without a
     signal mode; the scales are None for bf16; ``counter``, an int32 (2,)
     workspace that is zero between launches, only for the dynamic order, else
     None; ``out`` None and the routing tensors given only for the fused
-    combine, ``peers`` only for ``Epilogue.COMBINE_PEERS``; with the fused
+    combine, ``peers`` only for ``Epilogue.COMBINE_PEERS*``, ``bias`` only for
+    the ``*_BIAS`` combines; with the fused
     SwiGLU ``out`` is h and ``out_scale`` its fp8 scales); with ``keep_ptx`` its ``__ptx__``
     holds the generated PTX. ``trace``: a development build whose
     ``signals`` argument is a ``flashgemm.trace`` timeline buffer (never cached)."""

@@ -1,10 +1,12 @@
 """The fused combines' device code on sm_90 (``Epilogue.COMBINE``,
-``COMBINE_BF16``, ``COMBINE_PEERS``; ``flashgemm.epilogue.combine``).
+``COMBINE_BF16``, ``COMBINE_PEERS`` and their ``*_BIAS`` builds;
+``flashgemm.epilogue.combine``).
 
 Every tile leaves row by row, rows < valid_rows (and >= row_lo) only. As a
 partial tile of the plain store, each sub-tile is staged in buffer 0
 (rounded to bf16, as the stored output would be) and read back in 16-byte
-row pieces; a piece is scaled by its row's routing weight in fp32 and sent:
+row pieces; a piece (with ``target.mBias``: plus the expert's bias at its 8
+columns, in fp32) is scaled by its row's routing weight in fp32 and sent:
 
 * fp32 output: reduce-added into its token's row in two
   ``red.global.add.v4.f32`` (performed in L2, in no fixed order);
@@ -17,7 +19,9 @@ row pieces; a piece is scaled by its row's routing weight in fp32 and sent:
   col) * 2`` bytes, the owner's receive buffer (over NVLink for another GPU).
 
 A token outside [0, T) (with peers: [0, W * R)) sets ERR_BAD_ROUTE and its
-row is skipped.
+row is skipped. The bias of a piece is read with the piece, in two 16-byte
+``ld.global.v4`` (the same 32 bytes for every row of those columns: L1 and
+L2 hits), only for the rows that are sent.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ class CombineTarget(NamedTuple):
     # rank's (R, N) bf16 receive buffer, the shape of every rank's
     mCombined: cute.Tensor
     mErr: cute.Tensor  # (1,) int32 error word: ERR_BAD_ROUTE for a token outside [0, T) / [0, W * R)
-    mPeers: cute.Tensor = None  # COMBINE_PEERS: (W,) int64, each rank's receive-buffer address
+    mPeers: cute.Tensor = None  # COMBINE_PEERS*: (W,) int64, each rank's receive-buffer address
+    mBias: cute.Tensor = None  # COMBINE*_BIAS: (E, N) fp32, contiguous, 16-byte aligned: added before the weight
 
 
 class CombineEpilogue(TileEpilogue):
@@ -91,7 +96,11 @@ class CombineEpilogue(TileEpilogue):
                         token = tokens[i]
                         if (token >= 0) & (token < num_tokens):
                             cute.autovec_copy(self.tSG_sD[(None, i, n)], piece)
-                            vals.store(piece.load().to(cutlass.Float32) * weights[i])
+                            if cutlass.const_expr(target.mBias is not None):
+                                self._load_bias(vals, expert, n_block, epi_idx, col, n_total)
+                                vals.store((piece.load().to(cutlass.Float32) + vals.load()) * weights[i])
+                            else:
+                                vals.store(piece.load().to(cutlass.Float32) * weights[i])
                             col0 = n_block * self.tile_mn[1] + epi_idx * self.epi_tile[1] + col
                             self._send(piece, vals, token, dests, i, col0, n_total)
                         else:
@@ -122,6 +131,19 @@ class CombineEpilogue(TileEpilogue):
                 owner = flat // rows_per_rank
                 dests[i] = target.mPeers[owner] + Int64(flat - owner * rows_per_rank) * Int64(n_total) * 2
         return tokens, weights, dests
+
+    @cute.jit
+    def _load_bias(self, vals, expert: Int32, n_block: Int32, epi_idx: cutlass.Constexpr, col: Int32,
+                   n_total: Int32):
+        """The 8 fp32 bias values of ``expert`` at a piece's columns into
+        ``vals``: two 16-byte loads, read just before their one use (held
+        across the sub-tile's staging instead, they make the fp8 two-part and
+        overlapped builds spill)."""
+        col0 = n_block * self.tile_mn[1] + epi_idx * self.epi_tile[1] + col
+        # 16-byte aligned: the base (routing.py), N % 8 == 0 and col0 a multiple of 8; E * N < 2**31
+        src = self.combine.mBias.iterator + (expert * n_total + col0)
+        src = cute.make_ptr(cutlass.Float32, src.toint(), cute.AddressSpace.gmem, assumed_align=16)
+        cute.autovec_copy(cute.make_tensor(src, cute.make_layout(8)), vals)
 
     @cute.jit
     def _send(self, piece, vals, token: Int32, dests, i: cutlass.Constexpr, col0: Int32, n_total: Int32):

@@ -30,8 +30,8 @@ from .limits import SM90_FORMATS
 
 A_CHUNK_ROWS = 32
 # the fused combine's builds (every epilogue of the "combine" family: fp32 and
-# bf16 sums, bf16 rows stored into the owner ranks' receive buffers); one
-# configuration each
+# bf16 sums, bf16 rows stored into the owner ranks' receive buffers, each with
+# and without a per-expert bias); one configuration each
 COMBINES = epilogue_family("combine")
 
 # ---- bf16 tiles -------------------------------------------------------------

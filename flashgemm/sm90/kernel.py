@@ -147,7 +147,8 @@ class MaskedGroupedGemmSm90(GemmLayouts):
         mWeight: cute.Tensor,  # (E, max_m) fp32
         mCombined: cute.Tensor,  # (T, N) fp32, or bf16 for COMBINE_BF16; COMBINE_PEERS: (R, N) bf16
         mErr: cute.Tensor,  # (1,) int32
-        mPeers: cute.Tensor,  # Epilogue.COMBINE_PEERS (else None): (W,) int64 receive-buffer addresses
+        mPeers: cute.Tensor,  # Epilogue.COMBINE_PEERS* (else None): (W,) int64 receive-buffer addresses
+        mBias: cute.Tensor,  # Epilogue.COMBINE*_BIAS (else None): (E, N) fp32, added to each row
         mDScale: cute.Tensor,  # Epilogue.SWIGLU_FP8 (else None): (E, max_m, N/256) fp32 scales of h (mD)
         num_ctas: Int32,
         stream,
@@ -205,8 +206,9 @@ class MaskedGroupedGemmSm90(GemmLayouts):
 
         self.kernel(
             tma_atom_a, mA_tma, tma_atom_b, mB_tma, tma_atom_d, mD_tma, mD_mnl, mMaskedM, mSignals,
-            tma_atom_sfa, mSFA_tma, mSFB_nkl, mCounter, mTokenIdx, mWeight, mCombined, mErr, mPeers, mDScale,
-            tma_atom_bsf, mBSF_tma, self.tiled_mma, self.a_smem_layout, self.b_smem_layout, self.d_smem_layout, self.d_store_layout,
+            tma_atom_sfa, mSFA_tma, mSFB_nkl, mCounter, mTokenIdx, mWeight, mCombined, mErr, mPeers, mBias,
+            mDScale, tma_atom_bsf, mBSF_tma, self.tiled_mma, self.a_smem_layout, self.b_smem_layout,
+            self.d_smem_layout, self.d_store_layout,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.threads, 1, 1],
@@ -233,10 +235,9 @@ class MaskedGroupedGemmSm90(GemmLayouts):
         mSFB: cute.Tensor,  # (E, N/128, K/128)
         mCounter,  # dynamic only (else None)
         mTokenIdx,  # Epilogue.COMBINE* only (else None)
-        mWeight,
-        mCombined,
-        mErr,
-        mPeers,  # Epilogue.COMBINE_PEERS only (else None)
+        mWeight, mCombined, mErr,
+        mPeers,  # Epilogue.COMBINE_PEERS* only (else None)
+        mBias,  # Epilogue.COMBINE*_BIAS only (else None)
         mDScale,  # Epilogue.SWIGLU_FP8 only (else None)
         tma_atom_bsf,  # MXFP4 weights only (else None): their E8M0 exponents
         mBSF_tma,
@@ -462,7 +463,7 @@ class MaskedGroupedGemmSm90(GemmLayouts):
                 tidx, warp_group_idx, tiled_mma, storage, ConsumerSmem(sA, sB, sD, sSFA, sSFB), gD_mem,
                 (epi_barrier, consumer_barrier, handoff), walk_args, feed, balance, ab_pipeline, sig_pipeline,
                 k_tile_cnt, n_total, mTrace, trace_base, (mD_mnl, mDScale, cta_rank),
-                (mTokenIdx, mWeight, mCombined, mErr, mPeers),
+                (mTokenIdx, mWeight, mCombined, mErr, mPeers, mBias),
             )
             # (nested in const_expr: builds without converters keep their code unchanged)
             if cutlass.const_expr(self.converted_b):

@@ -21,9 +21,10 @@ from .limits import validated_config
 
 # the compiled kernel's tensor parameters (``kernel.MaskedGroupedGemmSm90.__call__``)
 SLOTS = ("a", "b", "out", "masked_m", "signals", "a_scale", "b_scale", "counter", *ROUTING_SLOTS, "out_scale")
-# TMA bases, the fused combine's 16-byte reductions into ``combined``, the
-# fused SwiGLU's scales (read in place by the down GEMM's TMA)
-ALIGNED = ("a", "b", "out", "combined", "out_scale")
+# TMA bases, the fused combine's 16-byte reductions into ``combined`` and
+# 16-byte loads of ``bias``, the fused SwiGLU's scales (read in place by the
+# down GEMM's TMA)
+ALIGNED = ("a", "b", "out", "combined", "bias", "out_scale")
 # what the kernel writes (``peers`` only addresses the buffers written)
 WRITTEN = ("out", "signals", "combined", "err", "out_scale")
 
