@@ -191,19 +191,23 @@ E4M3, E2M1 = 0, 5  # the f8f6f4 kinds' type codes
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tile_n", (64, 128))
-def test_mxfp4_weights_change_only_b(runs, arch, tile_n):
+@pytest.mark.parametrize("tile", ((128, 64), (128, 128), (256, 256)), ids=lambda t: f"{t[0]}x{t[1]}")
+def test_mxfp4_weights_change_only_b(runs, arch, tile):
     """MXFP4 weights (kind::mxf8f6f4 with e2m1 B) against MXFP8 of the same
     tile: the same MMAs on the same shared-memory descriptors (a padded e2m1
     k-tile is laid out as an 8-bit one); the instruction descriptor's B type
     E2M1; B by its own tensor map (a grid-constant kernel parameter), each
-    stage expecting the packed bytes, half of B's shared memory."""
+    stage expecting the packed bytes, half of B's shared memory; a CTA
+    pair's loads arrive on the leader's barrier (``.cta_group::2``), as
+    MXFP8's do."""
     from flashgemm.sm100.config import Sm100Config, Sm100Spec
 
     rc, out, found = _listing(runs[arch])
     assert rc == 0, out[-3000:]
-    mx4 = runs[arch].ptx(Sm100Spec(Sm100Config(fmt=Format.MXFP8_MXFP4, tile_n=tile_n)))
-    mx8 = runs[arch].ptx(Sm100Spec(Sm100Config(fmt=Format.MXFP8, tile_n=tile_n)))
+    tile_m, tile_n = tile
+    group = CtaGroup.TWO if tile_m == 256 else CtaGroup.ONE
+    mx4 = runs[arch].ptx(Sm100Spec(Sm100Config(fmt=Format.MXFP8_MXFP4, tile_m=tile_m, tile_n=tile_n, cta_group=group)))
+    mx8 = runs[arch].ptx(Sm100Spec(Sm100Config(fmt=Format.MXFP8, tile_m=tile_m, tile_n=tile_n, cta_group=group)))
     n4, n8 = _normalized(mx4), _normalized(mx8)
     mma = [line for line in n4 if line.startswith("tcgen05.mma")]
     assert mma and mma == [line for line in n8 if line.startswith("tcgen05.mma")]
@@ -212,9 +216,9 @@ def test_mxfp4_weights_change_only_b(runs, arch, tile_n):
     assert sorted(desc.findall(mx4)) == sorted(desc.findall(mx8)) != []
     # instruction descriptors: e4m3 A, and B e2m1 where MXFP8 has e4m3
     idesc = re.compile(r"or\.b32\s+%r\d+, %r\d+, (\d+);")
-    fields4 = {_idesc_fields(int(v)) for v in idesc.findall(mx4) if _idesc_fields(int(v))[3] == 128}
-    fields8 = {_idesc_fields(int(v)) for v in idesc.findall(mx8) if _idesc_fields(int(v))[3] == 128}
-    assert fields4 == {(E4M3, E2M1, tile_n, 128)} and fields8 == {(E4M3, E4M3, tile_n, 128)}
+    fields4 = {_idesc_fields(int(v)) for v in idesc.findall(mx4) if _idesc_fields(int(v))[3] == tile_m}
+    fields8 = {_idesc_fields(int(v)) for v in idesc.findall(mx8) if _idesc_fields(int(v))[3] == tile_m}
+    assert fields4 == {(E4M3, E2M1, tile_n, tile_m)} and fields8 == {(E4M3, E4M3, tile_n, tile_m)}
     # each stage's transaction: A, B and the scales; B counts its packed bytes
     tx = re.compile(r"mov\.b32\s+%r\d+, (\d+);\s*mbarrier\.arrive\.expect_tx")
     (tx4,), (tx8,) = set(tx.findall(mx4)), set(tx.findall(mx8))
@@ -222,10 +226,13 @@ def test_mxfp4_weights_change_only_b(runs, arch, tile_n):
     # B's tensor map is one more 128-byte grid-constant parameter in place of B's TMA atom
     params = re.compile(r"\.param \.align 64 \.b8 \w+\[128\]")
     assert len(params.findall(mx4)) == len(params.findall(mx8)) == 5
-    # the same number of 3d loads (A, B) and 4d loads (the scales)
+    # the same 3d loads (A, B) and 4d loads (the scales), in a pair each with .cta_group::2
     for rank in ("3d", "4d"):
-        load = rf"cp\.async\.bulk\.tensor\.{rank}\.shared::cta\.global"
-        assert len(re.findall(load, mx4)) == len(re.findall(load, mx8)) > 0
+        load = rf"cp\.async\.bulk\.tensor\.{rank}\.shared::\w+\.global\S*"
+        kinds4 = sorted(k.replace(".L2::cache_hint", "") for k in re.findall(load, mx4))
+        kinds8 = sorted(k.replace(".L2::cache_hint", "") for k in re.findall(load, mx8))
+        assert kinds4 == kinds8 != []
+        assert all(k.endswith(".cta_group::2") == (group is CtaGroup.TWO) for k in kinds4)
     assert ".local" not in mx4
 
 

@@ -9,8 +9,7 @@ wave arithmetic, to be revisited with timings):
 * 128x64, one CTA: decode, when 128-wide tiles would leave SMs idle;
 * 128x128, one CTA: the default;
 * 256x256, a 2-CTA pair (``cta_group::2``): enough rows per expert for
-  256-row tiles and enough pair tiles to fill the SMs (not for MXFP4
-  weights, whose B loads are built for one CTA).
+  256-row tiles and enough pair tiles to fill the SMs.
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ def choose_config(fmt: Format, num_experts: int, max_m: int, n: int, k: int, exp
         raise ValueError(f"signal_mode must be one of {SIGNAL_MODES}, got {signal_mode!r}")
     m = min(max(int(expected_m or max_m), 1), max(int(max_m), 1))
     sms = max(int(num_sms), 1)
-    pairs = fmt is not Format.MXFP8_MXFP4  # (its B loads are built for one CTA: limits)
-    if pairs and m >= PAIR_MIN_ROWS and _units(num_experts, m, n, 256, 256) * 2 >= sms:
+    if m >= PAIR_MIN_ROWS and _units(num_experts, m, n, 256, 256) * 2 >= sms:
         tile = PAIR
     elif _units(num_experts, m, n, 128, 128) >= sms:
         tile = DEFAULT
@@ -57,5 +55,4 @@ def choose_config(fmt: Format, num_experts: int, max_m: int, n: int, k: int, exp
 def reachable_specs() -> list:
     """Every spec ``choose_config`` can give, for each format and signal mode."""
     return [Sm100Spec(Sm100Config(fmt=fmt, **tile), mode)
-            for fmt in SM100_FORMATS for tile in TILES for mode in SIGNAL_MODES
-            if not (fmt is Format.MXFP8_MXFP4 and tile is PAIR)]
+            for fmt in SM100_FORMATS for tile in TILES for mode in SIGNAL_MODES]

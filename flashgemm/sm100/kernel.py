@@ -118,7 +118,7 @@ class MaskedGroupedGemmSm100:
                           mA_mkl, tiling.a_smem_layout, tiling.mma_tiler, tiled_mma, cl_vmnk)
         desc_b = None
         if cutlass.const_expr(tiling.b_padded):
-            tma_b, desc_b = None, padded_b_descriptor(mB, tiling.mma_tiler)
+            tma_b, desc_b = None, padded_b_descriptor(mB, tiling.mma_tiler, cute.size(thr_id.shape))
         else:
             tma_b = load_atom(cute.nvgpu.make_tiled_tma_atom_B, sm100_utils.cluster_shape_to_tma_atom_B(cs, thr_id),
                               mB_nkl, tiling.b_smem_layout, tiling.mma_tiler, tiled_mma, cl_vmnk)

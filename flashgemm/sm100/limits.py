@@ -94,9 +94,6 @@ def check_config(cfg: Sm100Config) -> Sm100Config:
             f"config.tile_m must be {128 * cfg.cta_group.value} with cta_group={cfg.cta_group.name} "
             f"(128 rows per CTA), got {cfg.tile_m}"
         )
-    if cfg.fmt is Format.MXFP8_MXFP4 and cfg.cta_group is not CtaGroup.ONE:
-        raise ValueError("config.cta_group must be ONE for mxfp8_mxfp4: its e2m1 B comes by a tensor map of its "
-                         "own (sm100.padded_b), one CTA per tile")
     legal = TILE_N[cfg.cta_group]
     if cfg.tile_n not in legal:
         raise ValueError(f"config.tile_n must be one of {legal} with cta_group={cfg.cta_group.name}, "

@@ -21,11 +21,14 @@ from .walk import make_walker
 
 class PaddedLoads(NamedTuple):
     """B by its own tensor map (``padded_b``): the descriptor, the staged
-    smem view (bN, bK, STAGE) and the tile's rows."""
+    smem view (this CTA's bN, bK, STAGE), the tile's rows, the CTAs of a
+    tile and this CTA's place among them."""
 
     desc: object
     smem: cute.Tensor
     tile_n: int
+    pair: int
+    cta_v: object
 
 
 class OperandLoads(NamedTuple):
@@ -77,7 +80,7 @@ def run_tma_warp(
             cute.copy(a.atom, gA[(None, k_tile)], a.smem[(None, state.index)], tma_bar_ptr=bar,
                       mcast_mask=a.mcast_mask)
             if cutlass.const_expr(isinstance(b, PaddedLoads)):
-                load_padded_b(b.desc, b.smem[(None, state.index)], k_tile, nb, e, b.tile_n, bar)
+                load_padded_b(b.desc, b.smem[(None, state.index)], k_tile, nb, e, b.tile_n, b.pair, b.cta_v, bar)
             else:
                 cute.copy(b.atom, gB[(None, k_tile)], b.smem[(None, state.index)], tma_bar_ptr=bar,
                           mcast_mask=b.mcast_mask)

@@ -105,8 +105,8 @@ def run_roles(gemm, tma_a, tma_b, tma_sfa, tma_sfb, tma_c, mD_mnl, mMaskedM, mAl
     a_cta_layout = cute.make_layout(cute.slice_(t.cluster_layout_vmnk, (0, 0, None, 0)).shape)
     b_cta_layout = cute.make_layout(cute.slice_(t.cluster_layout_vmnk, (0, None, 0, 0)).shape)
     a_loads = partition_loads(atom_a, coord_vmnk[2], a_cta_layout, sA, thr_mma.partition_A(gA), a_mask)
-    if cutlass.const_expr(t.b_padded):  # (1-CTA builds only: limits)
-        b_loads = PaddedLoads(tma_b, cute.group_modes(sB, 0, 3), t.config.tile_n)
+    if cutlass.const_expr(t.b_padded):
+        b_loads = PaddedLoads(tma_b, cute.group_modes(sB, 0, 3), t.config.tile_n, pair, cta_v)
     else:
         b_loads = partition_loads(atom_b, coord_vmnk[1], b_cta_layout, sB, thr_mma.partition_B(gB), b_mask)
     sfa_loads, sfb_loads, sSFA, sSFB = None, None, None, None
