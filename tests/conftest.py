@@ -61,6 +61,32 @@ def seed():
 from flashgemm.timing import capture_graph  # noqa: E402,F401  (the GPU tests import it from here)
 
 
+class _Recorder:
+    """Stands in for the compiled kernel: records each launch's arguments."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __call__(self, *args):
+        self.launches.append(args)
+
+
+@pytest.fixture
+def stub_launch(monkeypatch):
+    """The sm_90 launcher on CPU tensors: the device checks record their
+    tensors and pass, the compile records its spec; returns (specs, tensors,
+    launcher)."""
+    from flashgemm import api
+    from flashgemm.plan import PlanCache
+    from flashgemm.sm90 import build
+
+    specs, seen, fn = [], [], _Recorder()
+    monkeypatch.setattr(api, "validate_device", lambda tensors, *rest, **kw: seen.append(tensors) or 132)
+    monkeypatch.setattr(build, "get_kernel", lambda spec, *rest, **kw: specs.append(spec) or fn)
+    monkeypatch.setattr(api, "_PLANS", PlanCache())
+    return specs, seen, fn
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """A CUDA device 0 with 132 SMs as far as ``flashgemm.api`` can tell

@@ -12,7 +12,6 @@ import torch
 import flashgemm
 from flashgemm import Combine
 from flashgemm.config import Epilogue
-from flashgemm.plan import PlanCache
 from flashgemm.routing import check_combine, combine_epilogue
 
 E, MAX_M, N, K, T = 3, 8, 16, 64, 5
@@ -77,30 +76,6 @@ def test_each_bad_bias_is_a_value_error_naming_it(change, message):
 def test_a_bias_that_is_no_tensor_is_a_type_error():
     with pytest.raises(TypeError, match="combine.bias must be a torch.Tensor or None, got list"):
         check_combine(_combine()._replace(bias=[0.0] * N), None, None, E, MAX_M, N, {})
-
-
-class _Recorder:
-    """Stands in for the compiled kernel: records each launch's arguments."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __call__(self, *args):
-        self.launches.append(args)
-
-
-@pytest.fixture
-def stub_launch(monkeypatch):
-    """The launcher on CPU tensors: the device checks record their tensors
-    and pass, the compile records its spec; returns (specs, tensors, launcher)."""
-    from flashgemm import api
-    from flashgemm.sm90 import build
-
-    specs, seen, fn = [], [], _Recorder()
-    monkeypatch.setattr(api, "validate_device", lambda tensors, *rest, **kw: seen.append(tensors) or 132)
-    monkeypatch.setattr(build, "get_kernel", lambda spec, *rest, **kw: specs.append(spec) or fn)
-    monkeypatch.setattr(api, "_PLANS", PlanCache())
-    return specs, seen, fn
 
 
 @pytest.mark.parametrize("dtype, peers", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],

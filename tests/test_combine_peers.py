@@ -6,7 +6,6 @@ test_gpu_combine_peers.py."""
 
 import pytest
 
-from flashgemm.plan import PlanCache
 import torch
 
 import flashgemm
@@ -69,30 +68,6 @@ def test_peers_destinations_must_fit_int32():
                                          r"rank, W=1048576"):
         check_combine(c._replace(peers=torch.zeros(2**20, dtype=torch.int64)), None, None, E, MAX_M, 8, {})
     check_combine(c._replace(peers=torch.zeros(2**20 - 1, dtype=torch.int64)), None, None, E, MAX_M, 8, {})
-
-
-class _Recorder:
-    """Stands in for the compiled kernel: records each launch's arguments."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __call__(self, *args):
-        self.launches.append(args)
-
-
-@pytest.fixture
-def stub_launch(monkeypatch):
-    """The launcher on CPU tensors: the device checks record their tensors
-    and pass, the compile records its spec; returns (specs, tensors, launcher)."""
-    from flashgemm import api
-    from flashgemm.sm90 import build
-
-    specs, seen, fn = [], [], _Recorder()
-    monkeypatch.setattr(api, "validate_device", lambda tensors, *rest, **kw: seen.append(tensors) or 132)
-    monkeypatch.setattr(build, "get_kernel", lambda spec, *rest, **kw: specs.append(spec) or fn)
-    monkeypatch.setattr(api, "_PLANS", PlanCache())
-    return specs, seen, fn
 
 
 def test_plan_passes_peers_last_and_is_reused(stub_launch):

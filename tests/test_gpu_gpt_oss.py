@@ -91,16 +91,19 @@ def _inputs(masked, max_m, fp8: bool):
     return xb, None, x_float
 
 
+def _case(mxfp4, fp8, max_m, dist):
+    """The layer, its float weights, masked_m (host, device), the inputs and the routing of one test."""
+    layer, floats = _layer(mxfp4)
+    masked = _masked(EXPERTS, 32, max_m, dist)
+    return layer, floats, masked, masked.cuda(), _inputs(masked, max_m, fp8), _routing(masked, max_m, TOKENS)
+
+
 @pytest.mark.parametrize("mxfp4, fp8", [(True, True), (True, False), (False, False)],
                          ids=["mxfp4-fp8", "mxfp4-bf16", "bf16"])
 @pytest.mark.parametrize("dist", ["uniform", "skewed", "empty"])
 def test_layer_matches_the_models_formula(seed, mxfp4, fp8, dist):
     max_m = 64
-    layer, floats = _layer(mxfp4)
-    masked = _masked(EXPERTS, 32, max_m, dist)
-    mm = masked.cuda()
-    x, xs, x_float = _inputs(masked, max_m, fp8)
-    tok, wt = _routing(masked, max_m, TOKENS)
+    layer, floats, masked, mm, (x, xs, x_float), (tok, wt) = _case(mxfp4, fp8, max_m, dist)
     base = torch.randn(TOKENS, HIDDEN, device="cuda")  # added to, never replaced
     output = base.clone()
     err = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -123,11 +126,7 @@ def test_layer_matches_the_models_formula(seed, mxfp4, fp8, dist):
 @pytest.mark.parametrize("mxfp4, fp8", [(True, True), (False, False)], ids=["mxfp4-fp8", "bf16"])
 def test_layer_into_bf16_sums_matches_the_models_formula(seed, mxfp4, fp8):
     max_m = 64
-    layer, floats = _layer(mxfp4)
-    masked = _masked(EXPERTS, 32, max_m, "uniform")
-    mm = masked.cuda()
-    x, xs, x_float = _inputs(masked, max_m, fp8)
-    tok, wt = _routing(masked, max_m, TOKENS)
+    layer, floats, masked, mm, (x, xs, x_float), (tok, wt) = _case(mxfp4, fp8, max_m, "uniform")
     routed = torch.zeros(TOKENS, dtype=torch.bool, device="cuda")
     for e, m in enumerate(masked.clamp(0, max_m).tolist()):
         routed[tok[e, :m].long()] = True
@@ -150,11 +149,7 @@ def test_layer_into_peer_buffers_matches_the_models_formula(seed, mxfp4, fp8):
     the call, it is the model's formula; destinations no row was sent to
     keep their poison."""
     max_m = 64
-    layer, floats = _layer(mxfp4)
-    masked = _masked(EXPERTS, 32, max_m, "skewed")
-    mm = masked.cuda()
-    x, xs, x_float = _inputs(masked, max_m, fp8)
-    tok, wt = _routing(masked, max_m, TOKENS)
+    layer, floats, masked, mm, (x, xs, x_float), (tok, wt) = _case(mxfp4, fp8, max_m, "skewed")
     rows = masked.clamp(0, max_m).tolist()
     slots = sum(rows) + 8  # and a few destinations nobody is sent to
     dest = torch.full((EXPERTS, max_m), -1, dtype=torch.int32, device="cuda")
