@@ -153,9 +153,9 @@ def grouped_gemm_nt_masked(
     format follows from the dtypes (``flashgemm.blockscaled_args``); on
     Hopper these formats raise ValueError before any launch. MXFP4 weights on
     Blackwell (``Format.MXFP8_MXFP4``): a and a_scale as for MXFP8, b the
-    packed e2m1 bytes [E, N, K/2] as a checkpoint stores them and b_scale its
-    E8M0 exponents in the same blocked layout (``mxfp4.blackwell_weights``);
-    K a multiple of 128.
+    checkpoint's packed e2m1 bytes with each row zero-padded to whole
+    128-value pieces, [E, N, ceil(K/128) * 64], and b_scale its E8M0
+    exponents in the same blocked layout (both from ``mxfp4.blackwell_weights``).
 
     expected_m: mean valid rows per expert (host hint for the configuration).
     num_sms: cap on the persistent grid, e.g. to leave SMs to a concurrent kernel.

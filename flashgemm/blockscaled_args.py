@@ -140,18 +140,17 @@ def validate_blockscaled_args(
     k = logical_k(fmt, a)
     n, b_k = check_expert_dims(a, b)
     if mxfp4_b:
-        if 2 * b_k != k:
-            raise ValueError(f"b.shape[2] must be K/2 = {k // 2} (two e2m1 codes per byte; K = a.shape[2] = "
-                             f"{k}), got {b_k}")
+        if b_k != padded_b_bytes(k):
+            raise ValueError(f"b.shape[2] must be ceil(K/128) * 64 = {padded_b_bytes(k)} (two e2m1 codes per byte, "
+                             f"each row zero-padded to whole 128-value pieces for the unpacking TMA: "
+                             f"flashgemm.mxfp4.blackwell_weights; K = a.shape[2] = {k}), got {b_k}")
     elif b_k != a.shape[2]:
         packed = " (2 e2m1 per byte)" if fmt is Format.NVFP4 else ""
         raise ValueError(f"b.shape[2] must equal a.shape[2] = {a.shape[2]}{packed}, got {b_k}")
     if k < fmt.k_align or k % fmt.k_align:
         what = "2 * a.shape[2]" if fmt is Format.NVFP4 else "a.shape[2]"
-        why = ("the unpacking TMA reads 64-byte pieces of each packed row of b" if mxfp4_b
-               else "whole scale blocks, 16-byte rows")
         raise ValueError(f"K ({what} = {k}) must be a positive multiple of {fmt.k_align} for "
-                         f"{fmt.value} ({why})")
+                         f"{fmt.value} (whole scale blocks, 16-byte rows)")
     if mxfp4_b:
         _check_padded_b(b)
     if n < _OUT_ALIGN or n % _OUT_ALIGN:
@@ -164,6 +163,12 @@ def validate_blockscaled_args(
     _check_out_and_operands(a, b, out, (e_count, max_m, n),
                             {"masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale, "alpha": alpha})
     return e_count, max_m, n, k
+
+
+def padded_b_bytes(k: int) -> int:
+    """Bytes of a packed e2m1 row of Blackwell's MXFP4 weights: K rounded up to
+    whole 128-value pieces (64 bytes each), as the unpacking TMA reads them."""
+    return -(-k // 128) * 64
 
 
 def _check_padded_b(b) -> None:

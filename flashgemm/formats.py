@@ -20,8 +20,9 @@ are shaped and typed, and what the epilogue multiplies in:
   each group's exponent folded in exactly.
 * ``MXFP8_MXFP4``: 4-bit weights with MXFP8 activations, Blackwell's
   ``kind::mxf8f6f4``: ``a`` as in MXFP8, ``b`` e2m1 packed two per byte
-  along K (a checkpoint's ``blocks`` as they are), E8M0 scales per 32 of K
-  on both, in the 128x4-atom layout. The tensor core reads b as it is.
+  along K (a checkpoint's ``blocks``, each row zero-padded to whole 128-value
+  pieces: ``mxfp4.blackwell_weights``), E8M0 scales per 32 of K on both, in
+  the 128x4-atom layout. The tensor core reads b as it is.
 
 MXFP8 and NVFP4 scales use the 128x4-atom layout of ``blockscale``.
 """
@@ -87,7 +88,6 @@ class Format(enum.Enum):
 
     @property
     def k_align(self) -> int:
-        """K must be a multiple of this (a whole scale block, and 16-byte TMA
-        rows; MXFP8_MXFP4: the unpacking TMA's 64-byte pieces of packed b)."""
+        """K must be a multiple of this (a whole scale block, and 16-byte TMA rows)."""
         return {Format.BF16: 8, Format.FP8_BLOCK128: 128, Format.MXFP8: 32, Format.NVFP4: 32, Format.FP8_MXFP4: 32,
-                Format.BF16_MXFP4: 32, Format.MXFP8_MXFP4: 128}[self]
+                Format.BF16_MXFP4: 32, Format.MXFP8_MXFP4: 32}[self]

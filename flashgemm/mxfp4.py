@@ -138,19 +138,20 @@ def prepare_weights(packed: torch.Tensor, scales: torch.Tensor):
 
 def blackwell_weights(packed: torch.Tensor, scales: torch.Tensor):
     """(packed [E, N, K/2], scales [E, N, K/32]) in the OCP layout -> (b uint8
-    [E, N, K/2] contiguous, b_scale uint8 (E, ceil(N/128), ceil(K/128), 32, 4, 4)):
-    what ``grouped_gemm_nt_masked`` takes for MXFP4 weights on sm_100 / sm_103
-    (``Format.MXFP8_MXFP4``, with MXFP8 activations). K must be a multiple of
-    128 there (the TMA that unpacks b reads 64-byte pieces of each row)."""
+    [E, N, ceil(K/128) * 64] contiguous, b_scale uint8 (E, ceil(N/128),
+    ceil(K/128), 32, 4, 4)): what ``grouped_gemm_nt_masked`` takes for MXFP4
+    weights on sm_100 / sm_103 (``Format.MXFP8_MXFP4``, with MXFP8
+    activations). The bytes are the checkpoint's; each row is zero-padded to
+    whole 128-value pieces (the TMA that unpacks b reads 64-byte pieces, and
+    a's zero fill past K meets zero codes there): K = 2880 gives 1472-byte
+    rows. The exponents' padding groups stay outside K, as
+    ``blockscale.to_blocked_scales`` pads them."""
     codes, s = _check_pair(packed, scales)
     if codes.dim() != 3:
         raise ValueError(f"packed must be [E, N, K/2], got {tuple(packed.shape)}")
-    k = codes.shape[-1]
-    if k % 128:
-        raise ValueError(f"K = {k} must be a multiple of 128 for Blackwell's MXFP4 kernel (its TMA unpacks b in "
-                         "64-byte pieces of each packed row)")
     b = packed.view(torch.uint8) if packed.dtype != torch.uint8 else packed
-    return b.contiguous(), to_blocked_scales(s)
+    pad = -(-codes.shape[-1] // 128) * 64 - b.shape[-1]
+    return torch.nn.functional.pad(b, (0, pad)).contiguous(), to_blocked_scales(s)
 
 
 def n_contiguous(t: torch.Tensor) -> torch.Tensor:

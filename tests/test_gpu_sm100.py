@@ -52,9 +52,9 @@ class Case:
             from flashgemm.mxfp4 import blackwell_weights, quantize_mxfp4
 
             self.a, sa = quantize_mxfp8(x)
-            packed, sb = quantize_mxfp4(w)  # a checkpoint's packed blocks, read as they are
+            packed, sb = quantize_mxfp4(w)  # a checkpoint's packed blocks, rows padded to 128-value pieces
             self.b, b_scale = blackwell_weights(packed, sb)
-            self._ref_scales = (sa, sb, None)
+            self._ref_b, self._ref_scales = packed, (sa, sb, None)
             self.kw = dict(a_scale=to_blocked_scales(sa), b_scale=b_scale)
         elif fmt == "bf16":
             self.a, self.b = x.bfloat16(), w.bfloat16()
@@ -66,7 +66,8 @@ class Case:
     def reference(self):
         if self.fmt in ("mxfp8", "nvfp4", "mxfp8_mxfp4"):
             sa, sb, alpha = self._ref_scales
-            return grouped_gemm_nt_masked_blockscaled_ref(self.a, sa, self.b, sb, self.masked_m, fmt=self.fmt,
+            b = self._ref_b if self.fmt == "mxfp8_mxfp4" else self.b
+            return grouped_gemm_nt_masked_blockscaled_ref(self.a, sa, b, sb, self.masked_m, fmt=self.fmt,
                                                           alpha=alpha)
         return grouped_gemm_nt_masked_ref(self.a, self.b, self.masked_m, **self.kw)
 
@@ -96,12 +97,9 @@ def _check(case, out, buf, tol=1e-2):
 
 
 def _shape(fmt, n, k):
-    """fp8 1x128 rows need N and K multiples of 16; MXFP4 weights K % 128 (the
-    unpacking TMA); the others N % 8 and K % 32."""
+    """fp8 1x128 rows need N and K multiples of 16; the others N % 8 and K % 32."""
     if fmt == "fp8_block128":
         return -(-n // 16) * 16, -(-k // 16) * 16
-    if fmt == "mxfp8_mxfp4":
-        return n, -(-k // 128) * 128
     return n, k
 
 

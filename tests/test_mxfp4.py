@@ -124,7 +124,9 @@ def test_blackwell_weights_keep_the_bytes_and_block_the_scales():
     """Blackwell's MXFP4 kernel reads the packed bytes as they are and the
     exponents in the 128x4-atom layout; the reference dequantizes both the
     way the checkpoint's loaders do."""
-    from flashgemm.blockscale import from_blocked_scales, grouped_gemm_nt_masked_blockscaled_ref, quantize_mxfp8
+    from flashgemm.blockscale import (
+        from_blocked_scales, grouped_gemm_nt_masked_blockscaled_ref, quantize_mxfp8, to_blocked_scales,
+    )
     from flashgemm.mxfp4 import blackwell_weights
 
     g = torch.Generator().manual_seed(3)
@@ -132,7 +134,7 @@ def test_blackwell_weights_keep_the_bytes_and_block_the_scales():
     raw = torch.randint(110, 140, (2, 136, 8), generator=g, dtype=torch.uint8)
     packed, scales = from_checkpoint(blocks, raw)
     b, b_scale = blackwell_weights(packed.view(torch.float4_e2m1fn_x2), scales)
-    assert b.dtype == torch.uint8 and torch.equal(b, packed) and b.is_contiguous()
+    assert b.dtype == torch.uint8 and torch.equal(b, packed) and b.is_contiguous()  # (K = 256: no padding)
     assert tuple(b_scale.shape) == (2, 2, 2, 32, 4, 4)
     assert torch.equal(from_blocked_scales(b_scale, 136, 8), scales)
     # the reference of fmt="mxfp8_mxfp4": MXFP8 a times the checkpoint's values
@@ -144,5 +146,8 @@ def test_blackwell_weights_keep_the_bytes_and_block_the_scales():
     for e, m in enumerate((5, 2)):
         assert torch.allclose(ref[e, :m].double(), a_f[e, :m] @ w_f[e].T, rtol=1e-6, atol=1e-30)
         assert not ref[e, m:].any()
-    with pytest.raises(ValueError, match="K = 96 must be a multiple of 128 for Blackwell's MXFP4 kernel"):
-        blackwell_weights(*quantize_mxfp4(torch.randn(2, 8, 96)))
+    # K = 2880 (gpt-oss): rows of 1440 bytes padded with zero codes to 1472, the exponents as for 2880
+    packed, scales = quantize_mxfp4(torch.randn(2, 8, 2880, generator=g))
+    b, b_scale = blackwell_weights(packed, scales)
+    assert b.shape == (2, 8, 1472) and torch.equal(b[..., :1440], packed) and not b[..., 1440:].any()
+    assert torch.equal(b_scale, to_blocked_scales(scales))

@@ -78,7 +78,7 @@ def valid_calls(draw, formats=tuple(Format), combine=None, out=None, experts=(1,
     e = draw(st.integers(*experts))
     m = draw(st.integers(1, 80))
     n_mult, k_mult = {Format.BF16: (8, 8), Format.FP8_BLOCK128: (16, 16), Format.FP8_MXFP4: (16, 32),
-                      Format.BF16_MXFP4: (16, 32), Format.MXFP8_MXFP4: (8, 128)}.get(fmt, (8, 32))
+                      Format.BF16_MXFP4: (16, 32), Format.MXFP8_MXFP4: (8, 32)}.get(fmt, (8, 32))
     n = n_mult * draw(st.integers(1, 160 // n_mult))
     k = k_mult * draw(st.integers(1, 256 // k_mult))
     args = dict(masked_m=torch.tensor(draw(st.lists(st.integers(-4, m + 4), min_size=e, max_size=e)),
@@ -101,7 +101,8 @@ def valid_calls(draw, formats=tuple(Format), combine=None, out=None, experts=(1,
         sf = FP8 if fmt is Format.NVFP4 else draw(st.sampled_from([E8M0, torch.float8_e8m0fnu]))
         b = torch.zeros(e, n, packed, dtype=ab)
         if fmt is Format.MXFP8_MXFP4:  # (a checkpoint's packed e2m1 bytes)
-            b = torch.zeros(e, n, k // 2, dtype=torch.uint8).view(draw(st.sampled_from([FP4, torch.float4_e2m1fn_x2])))
+            b = torch.zeros(e, n, -(-k // 128) * 64, dtype=torch.uint8).view(  # rows in whole 128-value pieces
+                draw(st.sampled_from([FP4, torch.float4_e2m1fn_x2])))
         args.update(a=torch.zeros(e, m, packed, dtype=ab), b=b,
                     a_scale=torch.zeros(blocked_scale_shape(fmt, e, m, k), dtype=sf),
                     b_scale=torch.zeros(blocked_scale_shape(fmt, e, n, k), dtype=sf))
@@ -410,7 +411,7 @@ def _call_accepts(fmt: Format, e: int, m: int, n: int, k: int) -> bool:
         else:
             packed, ab = (k // 2, FP4) if fmt is Format.NVFP4 else (k, FP8)
             sf = FP8 if fmt is Format.NVFP4 else E8M0
-            b = torch.zeros(e, n, k // 2 if fmt is Format.MXFP8_MXFP4 else packed,
+            b = torch.zeros(e, n, -(-k // 128) * 64 if fmt is Format.MXFP8_MXFP4 else packed,
                             dtype=FP4 if fmt in (Format.NVFP4, Format.MXFP8_MXFP4) else ab)
             validate_blockscaled_args(
                 fmt, torch.zeros(e, m, packed, dtype=ab), b, None, mm,

@@ -42,14 +42,14 @@ def nvfp4_case(e=E, m=M, n=N, k=K, packed_dtype=torch.uint8):
 
 
 def mxfp4_case(e=E, m=M, n=N, k=K, packed_dtype=torch.uint8):
-    """MXFP8 activations and a checkpoint's MXFP4 weights as they are (Blackwell's kind::mxf8f6f4)."""
-    from flashgemm.mxfp4 import quantize_mxfp4
+    """MXFP8 activations and a checkpoint's MXFP4 weights (Blackwell's kind::mxf8f6f4), rows padded."""
+    from flashgemm.mxfp4 import blackwell_weights, quantize_mxfp4
 
     a, sa = quantize_mxfp8(torch.randn(e, m, k))
-    b, sb = quantize_mxfp4(torch.randn(e, n, k))
+    b, b_scale = blackwell_weights(*quantize_mxfp4(torch.randn(e, n, k)))
     return dict(a=a, b=b.view(packed_dtype), out=torch.empty(e, m, n, dtype=torch.bfloat16),
                 masked_m=torch.full((e,), m, dtype=torch.int32),
-                a_scale=to_blocked_scales(sa), b_scale=to_blocked_scales(sb), alpha=None)
+                a_scale=to_blocked_scales(sa), b_scale=b_scale, alpha=None)
 
 
 def check(fmt, args):
@@ -115,19 +115,22 @@ def test_valid_nvfp4_reports_k_in_elements(packed):
 
 
 @pytest.mark.parametrize("packed", [torch.uint8, torch.float4_e2m1fn_x2])
-def test_valid_mxfp4_weights_report_k_in_elements(packed):
-    args = mxfp4_case(packed_dtype=packed)
-    assert args["b"].shape[2] == K // 2
-    assert check(Format.MXFP8_MXFP4, args) == (E, M, N, K)
+@pytest.mark.parametrize("k", [K, 2880, 32])
+def test_valid_mxfp4_weights_report_k_in_elements(packed, k):
+    """b's rows hold K rounded up to whole 128-value pieces (zero codes past K)."""
+    args = mxfp4_case(k=k, packed_dtype=packed)
+    assert args["b"].shape[2] == -(-k // 128) * 64
+    assert check(Format.MXFP8_MXFP4, args) == (E, M, N, k)
 
 
 @pytest.mark.parametrize("change, error, match", [
     # Hopper's prepared bytes are not what the tensor core reads
     (lambda a: a.update(b=a["b"].view(torch.int8)), TypeError, r"mxfp8_mxfp4 kernel reads the checkpoint's packed"),
-    (lambda a: a.update(b=a["b"][:, :, :64]), ValueError, r"b\.shape\[2\] must be K/2 = 128"),
-    # K = 160: whole E8M0 groups, but not whole 64-byte pieces of the packed rows
-    (lambda a: a.update(**{k: v for k, v in mxfp4_case(k=160).items() if k != "out"}), ValueError,
-     r"K \(a\.shape\[2\] = 160\) must be a positive multiple of 128 for mxfp8_mxfp4 \(the unpacking TMA"),
+    (lambda a: a.update(b=a["b"][:, :, :64]), ValueError, r"b\.shape\[2\] must be ceil\(K/128\) \* 64 = 128"),
+    # K = 160 in rows of K/2 bytes: not padded to whole 128-value pieces
+    (lambda a: a.update(**{k: v for k, v in mxfp4_case(k=160).items() if k not in ("out", "b")},
+                        b=torch.zeros(E, N, 80, dtype=torch.uint8)), ValueError,
+     r"b\.shape\[2\] must be ceil\(K/128\) \* 64 = 128 .* K = a\.shape\[2\] = 160\), got 80"),
     # rows of 128 + 16 bytes: 16-byte aligned (TMA) but not 32 (the unpacking TMA)
     (lambda a: a.update(b=torch.zeros(E, N, 144, dtype=torch.uint8)[:, :, :128]), ValueError,
      r"b\.stride\(1\) must be a multiple of 32 bytes for mxfp8_mxfp4"),

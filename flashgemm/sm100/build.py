@@ -15,8 +15,9 @@ a            (E, max_m, K), K contiguous,            MXFP8, MXFP8_MXFP4 float8_e
                                                      even column in the low nibble; a uint8
                                                      tensor passes as ``.view(torch.float4_e2m1fn_x2)``)
 b            (E, N, K), like a                       like a; MXFP8_MXFP4 float4_e2m1fn_x2
-                                                     (E, N, K // 2) as NVFP4's, 32-byte aligned
-                                                     base and strides, K a multiple of 128
+                                                     (E, N, ceil(K / 128) * 64): rows padded to
+                                                     whole 128-value pieces, 32-byte aligned
+                                                     base and strides
 sfa, sfb     (E, rm, rk, 32, 4, 4) 128x4 atoms       MXFP8(_MXFP4) float8_e8m0fnu, NVFP4 float8_e4m3fn
              (``blockscale.to_blocked_scales``;      (uint8 bytes as ``.view(...)``); None for BF16
              rm = ceil(max_m / 128) for sfa,
@@ -90,9 +91,13 @@ def _fake_args(fmt: Format, with_alpha: bool, with_signals: bool):
     e, m, n = cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=8)
     k = cute.sym_int(divisibility=fmt.k_align)
     a = fake(a_dtype, (e, m, k), (ld(a_dtype), ld(a_dtype), 1), assumed_align=16)
-    # packed e2m1 b under the unpacking TMA (padded_b): 32-byte rows and base
-    b_ld = cute.sym_int64(divisibility=64) if fmt is Format.MXFP8_MXFP4 else ld(b_dtype)
-    b = fake(b_dtype, (e, n, k), (b_ld, b_ld, 1), assumed_align=32 if fmt is Format.MXFP8_MXFP4 else 16)
+    if fmt is Format.MXFP8_MXFP4:
+        # packed e2m1 b under the unpacking TMA (padded_b): K of its own, in
+        # whole 128-value pieces, and 32-byte rows and base
+        b_ld = cute.sym_int64(divisibility=64)
+        b = fake(b_dtype, (e, n, cute.sym_int(divisibility=128)), (b_ld, b_ld, 1), assumed_align=32)
+    else:
+        b = fake(b_dtype, (e, n, k), (ld(b_dtype), ld(b_dtype), 1), assumed_align=16)
     out = fake(cutlass.BFloat16, (e, m, n), (ld(cutlass.BFloat16), ld(cutlass.BFloat16), 1), assumed_align=16)
     masked_m = fake(cutlass.Int32, (e,), (1,), assumed_align=4)
     sfa = sfb = alpha = signals = None
