@@ -372,6 +372,25 @@ def test_hopper_refuses_blackwell_formats_before_launch(stub_device, case):
         call(case())
 
 
+def test_each_generation_names_the_other_ones_mxfp4_recipe(stub_device):
+    """MXFP4 weights take 1x128 fp8 activations and prepared bytes on Hopper,
+    MXFP8 activations and the packed bytes on Blackwell: each GPU's refusal
+    of the other's call says which to pass."""
+    from flashgemm.mxfp4 import prepare_weights, quantize_mxfp4
+    from flashgemm.quant import quantize_fp8_per_token
+
+    with pytest.raises(ValueError, match=r"format 'mxfp8_mxfp4' needs a Blackwell GPU .* on Hopper, MXFP4 "
+                                         r"weights go with 1x128 fp8 activations .*mxfp4\.prepare_weights"):
+        call(mxfp4_case())
+    stub_device.backend = "sm100"
+    a, a_scale = quantize_fp8_per_token(torch.randn(E, M, K))
+    b, b_scale = prepare_weights(*quantize_mxfp4(torch.randn(E, 256, K)))
+    with pytest.raises(ValueError, match=r"format 'fp8_mxfp4' runs on Hopper \(sm_90\) only; .* on Blackwell, "
+                                         r"MXFP4 weights go with MXFP8 activations .*mxfp4\.blackwell_weights"):
+        flashgemm.grouped_gemm_nt_masked(a, b, None, torch.full((E,), M, dtype=torch.int32), a_scale=a_scale,
+                                         b_scale=b_scale)
+
+
 def _recording_plan(record):
     from flashgemm.plan import LaunchPlan
 
