@@ -149,7 +149,9 @@ def mx_scales_from_block128(a_scale: torch.Tensor, k: int) -> torch.Tensor:
     recipe), float32 [..., ceil(K/128)] -> the same scales as E8M0 bytes
     [..., ceil(K/32)], each repeated over its four 32-blocks: the fp8 values
     then are MXFP8 operands, unchanged. Anything but a power of two in
-    [2**-127, 2**127] is refused (it has no exact E8M0 form)."""
+    [2**-127, 2**127] is refused (it has no exact E8M0 form). The check reads
+    the scales on the host (a sync): a conversion step outside a captured
+    CUDA graph, not a per-step op of one."""
     _check_float(a_scale, "a_scale")
     if a_scale.dim() == 0 or a_scale.shape[-1] != _cdiv(k, 128):
         raise ValueError(f"a_scale must be [..., ceil(K/128)] = [..., {_cdiv(k, 128)}] for K = {k}, got "

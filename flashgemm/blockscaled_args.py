@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from .formats import Format
+from .mxfp4 import blackwell_row_bytes
 from .validation import (
     FP8, _check_no_self_overlap, _check_tma_operand, check_a_scale_shape, check_a_scale_strides, check_expert_dims,
     check_masked_m, check_no_alias, check_tensor,
@@ -131,8 +132,9 @@ def validate_blockscaled_args(
     mxfp4_b = fmt is Format.MXFP8_MXFP4
     if mxfp4_b and isinstance(b, torch.Tensor) and b.dtype == torch.int8:
         raise TypeError("b is int8 (mxfp4.prepare_weights' layout, for Hopper's conversion); Blackwell's "
-                        "mxfp8_mxfp4 kernel reads the checkpoint's packed e2m1 blocks as they are: pass them "
-                        "as uint8 or float4_e2m1fn_x2 [E, N, K/2]")
+                        "mxfp8_mxfp4 kernel reads the checkpoint's packed e2m1 blocks, rows zero-padded: pass "
+                        "b, b_scale = flashgemm.mxfp4.blackwell_weights(packed, scales) "
+                        "(uint8 [E, N, ceil(K/128) * 64])")
     check_tensor("a", a, 3, _FP4_BYTES if fmt is Format.NVFP4 else (FP8,))
     check_tensor("b", b, 3, _FP4_BYTES if fmt in (Format.NVFP4, Format.MXFP8_MXFP4) else (FP8,))
     check_tensor("masked_m", masked_m, 1, (torch.int32,))
@@ -140,9 +142,9 @@ def validate_blockscaled_args(
     k = logical_k(fmt, a)
     n, b_k = check_expert_dims(a, b)
     if mxfp4_b:
-        if b_k != padded_b_bytes(k):
-            raise ValueError(f"b.shape[2] must be ceil(K/128) * 64 = {padded_b_bytes(k)} (two e2m1 codes per byte, "
-                             f"each row zero-padded to whole 128-value pieces for the unpacking TMA: "
+        if b_k != blackwell_row_bytes(k):
+            raise ValueError(f"b.shape[2] must be ceil(K/128) * 64 = {blackwell_row_bytes(k)} (two e2m1 codes per "
+                             f"byte, each row zero-padded to whole 128-value pieces for the unpacking TMA: "
                              f"flashgemm.mxfp4.blackwell_weights; K = a.shape[2] = {k}), got {b_k}")
     elif b_k != a.shape[2]:
         packed = " (2 e2m1 per byte)" if fmt is Format.NVFP4 else ""
@@ -163,12 +165,6 @@ def validate_blockscaled_args(
     _check_out_and_operands(a, b, out, (e_count, max_m, n),
                             {"masked_m": masked_m, "a_scale": a_scale, "b_scale": b_scale, "alpha": alpha})
     return e_count, max_m, n, k
-
-
-def padded_b_bytes(k: int) -> int:
-    """Bytes of a packed e2m1 row of Blackwell's MXFP4 weights: K rounded up to
-    whole 128-value pieces (64 bytes each), as the unpacking TMA reads them."""
-    return -(-k // 128) * 64
 
 
 def _check_padded_b(b) -> None:

@@ -17,9 +17,9 @@ E8M0 exponent per 32 of K.
   where the conversion ORs it in) and the exponents stored N contiguous (one
   TMA box brings a tile's). ``unprepare_weights`` undoes the byte layout.
 * ``blackwell_weights(packed, scales)``: the weights as Blackwell's
-  ``Format.MXFP8_MXFP4`` kernel takes them: the packed bytes as they are
-  (the tensor core reads e2m1 itself) and the exponents in the 128x4-atom
-  layout of ``blockscale.to_blocked_scales``.
+  ``Format.MXFP8_MXFP4`` kernel takes them: the packed bytes (the tensor
+  core reads e2m1 itself), each row zero-padded to ``blackwell_row_bytes(K)``,
+  and the exponents in the 128x4-atom layout of ``blockscale.to_blocked_scales``.
 * ``dequantize_as_kernel(packed, scales, tile_n)``: what that kernel
   multiplies: ``dequantize_mxfp4`` with the groups more than 14 binades
   below their tile's largest exponent flushed to zero (with bf16
@@ -136,6 +136,12 @@ def prepare_weights(packed: torch.Tensor, scales: torch.Tensor):
     return kernel_bytes(codes), n_contiguous(s)
 
 
+def blackwell_row_bytes(k: int) -> int:
+    """Bytes of one packed row of Blackwell's MXFP4 weights: K rounded up to
+    whole 128-value pieces (64 bytes each), as the unpacking TMA reads them."""
+    return -(-k // 128) * 64
+
+
 def blackwell_weights(packed: torch.Tensor, scales: torch.Tensor):
     """(packed [E, N, K/2], scales [E, N, K/32]) in the OCP layout -> (b uint8
     [E, N, ceil(K/128) * 64] contiguous, b_scale uint8 (E, ceil(N/128),
@@ -150,7 +156,7 @@ def blackwell_weights(packed: torch.Tensor, scales: torch.Tensor):
     if codes.dim() != 3:
         raise ValueError(f"packed must be [E, N, K/2], got {tuple(packed.shape)}")
     b = packed.view(torch.uint8) if packed.dtype != torch.uint8 else packed
-    pad = -(-codes.shape[-1] // 128) * 64 - b.shape[-1]
+    pad = blackwell_row_bytes(codes.shape[-1]) - b.shape[-1]
     return torch.nn.functional.pad(b, (0, pad)).contiguous(), to_blocked_scales(s)
 
 

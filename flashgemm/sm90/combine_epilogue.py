@@ -96,12 +96,12 @@ class CombineEpilogue(TileEpilogue):
                         token = tokens[i]
                         if (token >= 0) & (token < num_tokens):
                             cute.autovec_copy(self.tSG_sD[(None, i, n)], piece)
+                            col0 = n_block * self.tile_mn[1] + epi_idx * self.epi_tile[1] + col
                             if cutlass.const_expr(target.mBias is not None):
-                                self._load_bias(vals, expert, n_block, epi_idx, col, n_total)
+                                self._load_bias(vals, expert, col0, n_total)
                                 vals.store((piece.load().to(cutlass.Float32) + vals.load()) * weights[i])
                             else:
                                 vals.store(piece.load().to(cutlass.Float32) * weights[i])
-                            col0 = n_block * self.tile_mn[1] + epi_idx * self.epi_tile[1] + col
                             self._send(piece, vals, token, dests, i, col0, n_total)
                         else:
                             cute.arch.atomic_or(target.mErr.iterator, Int32(ERR_BAD_ROUTE))
@@ -133,13 +133,11 @@ class CombineEpilogue(TileEpilogue):
         return tokens, weights, dests
 
     @cute.jit
-    def _load_bias(self, vals, expert: Int32, n_block: Int32, epi_idx: cutlass.Constexpr, col: Int32,
-                   n_total: Int32):
-        """The 8 fp32 bias values of ``expert`` at a piece's columns into
-        ``vals``: two 16-byte loads, read just before their one use (held
+    def _load_bias(self, vals, expert: Int32, col0: Int32, n_total: Int32):
+        """The 8 fp32 bias values of ``expert`` at a piece's columns (col0 on)
+        into ``vals``: two 16-byte loads, read just before their one use (held
         across the sub-tile's staging instead, they make the fp8 two-part and
         overlapped builds spill)."""
-        col0 = n_block * self.tile_mn[1] + epi_idx * self.epi_tile[1] + col
         # 16-byte aligned: the base (routing.py), N % 8 == 0 and col0 a multiple of 8; E * N < 2**31
         src = self.combine.mBias.iterator + (expert * n_total + col0)
         src = cute.make_ptr(cutlass.Float32, src.toint(), cute.AddressSpace.gmem, assumed_align=16)
